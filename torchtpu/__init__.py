@@ -1,0 +1,44 @@
+"""torchtpu: PyTorch on Google TPUs, through PJRT/XLA (JAX is the runtime).
+
+`import torchtpu` (or just `import torch`, through the `torch.backends` entry point) registers
+the `tpu` device, the `torch.tpu` module and the `tpu_dist` process-group backend.
+"""
+
+from __future__ import annotations
+
+from torchtpu import device as _device
+from torchtpu import metrics as _metrics
+from torchtpu.exec import modes as _modes
+from torchtpu.precision import precision as matmul_precision
+from torchtpu.precision import set_mode as set_matmul_precision
+
+_device.register_backend()
+
+from torchtpu.ops import lowerings as _lowerings  # noqa: E402  (fills the registry)
+from torchtpu.exec import kernels as _kernels  # noqa: E402
+
+_kernels.register_all()
+
+set_eager_mode = _modes.set_mode
+eager_mode = _modes.eager_mode
+get_eager_mode = _modes.current
+
+
+def metrics() -> dict:
+    """Counters of the executors: programs compiled, cache hits, fallbacks, flushes, ..."""
+    return _metrics.snapshot()
+
+
+def reset_metrics() -> None:
+    _metrics.reset()
+
+
+__all__ = [
+    "set_eager_mode",
+    "eager_mode",
+    "get_eager_mode",
+    "set_matmul_precision",
+    "matmul_precision",
+    "metrics",
+    "reset_metrics",
+]

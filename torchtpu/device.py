@@ -1,0 +1,225 @@
+"""`torch.tpu`: the device module, and the PrivateUse1 registration behind `torch.device("tpu")`.
+
+The backend is registered through PyTorch's Python PrivateUse1 mechanism: PrivateUse1 is renamed
+to "tpu", and Python hooks and a device guard are installed, so `.to("tpu")`, `torch.compile`
+(inductor included) and `torch.accelerator` keep working in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from typing import Iterator
+
+import torch
+
+from torchtpu import precision as _precision
+from torchtpu import random as _random
+from torchtpu import runtime, storage
+
+
+class Precision(enum.Enum):
+    """Matmul precision modes (1, 3 or 6 bf16 passes per fp32 matmul)."""
+
+    DEFAULT = "default"
+    HIGH = "high"
+    HIGHEST = "highest"
+
+
+class _Current(threading.local):
+    index = 0
+
+
+_current = _Current()
+
+
+def is_available() -> bool:
+    """True: the CPU stand-in is always available where there is no TPU."""
+    try:
+        return runtime.device_count() > 0
+    except Exception:
+        return False
+
+
+def is_initialized() -> bool:
+    return runtime.is_started()
+
+
+def _lazy_init() -> None:
+    runtime.runtime()
+
+
+def device_count() -> int:
+    return runtime.device_count()
+
+
+def current_device() -> int:
+    return _current.index
+
+
+def _index(device: int | str | torch.device | None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "tpu":
+        raise ValueError(f"expected a tpu device, got {device}")
+    return current_device() if device.index is None else device.index
+
+
+def set_device(device: int | str | torch.device) -> None:
+    index = _index(device)
+    runtime.jax_device(index)
+    _current.index = index
+
+
+@contextlib.contextmanager
+def device(device: int | str | torch.device) -> Iterator[None]:
+    """Context manager that changes the current tpu device."""
+    previous = current_device()
+    set_device(device)
+    try:
+        yield
+    finally:
+        _current.index = previous
+
+
+def synchronize(device: int | str | torch.device | None = None) -> None:
+    """Wait until every op queued so far has finished (runs everything pending in defer mode)."""
+    from torchtpu.exec import deferred
+
+    deferred.flush("synchronize")
+    import jax
+
+    if not runtime.is_started():
+        return
+    target = runtime.runtime().devices[_index(device)]
+    for array in jax.live_arrays():
+        if target in array.devices():
+            array.block_until_ready()
+
+
+def manual_seed(seed: int) -> None:
+    _random.manual_seed(seed, current_device())
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(device_count()):
+        _random.manual_seed(seed, index)
+
+
+def seed() -> None:
+    import random as py_random
+
+    manual_seed(py_random.getrandbits(63))
+
+
+def seed_all() -> None:
+    import random as py_random
+
+    manual_seed_all(py_random.getrandbits(63))
+
+
+def initial_seed() -> int:
+    return _random.initial_seed(current_device())
+
+
+def get_rng_state(device: int | str | torch.device = "tpu") -> torch.Tensor:
+    return _random.get_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: int | str | torch.device = "tpu") -> None:
+    _random.set_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [_random.get_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for index, state in enumerate(new_states):
+        _random.set_state(state, index)
+
+
+def memory_allocated(device: int | str | torch.device | None = None) -> int:
+    """Bytes held by live tensors' storages on the device."""
+    return storage.stats.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
+    """Peak of `memory_allocated` since start or the last `reset_peak_memory_stats`."""
+    return storage.stats.peak.get(_index(device), 0)
+
+
+def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
+    index = _index(device)
+    storage.stats.peak[index] = storage.stats.allocated.get(index, 0)
+
+
+def precision(mode: str | Precision | None = None):
+    """Matmul precision: `precision()` returns the mode, `precision(mode)` sets it and, used as
+    `with torch.tpu.precision(mode):`, restores the previous mode on exit."""
+    if mode is None:
+        return _precision.get_mode()
+    return _PrecisionSetting(mode)
+
+
+class _PrecisionSetting:
+    """Returned by `precision(mode)`: the mode is set at once; as a context manager the previous
+    mode comes back on exit."""
+
+    def __init__(self, mode: str | Precision) -> None:
+        self._previous = _precision.get_mode()
+        _precision.set_mode(mode.value if isinstance(mode, Precision) else mode)
+
+    def __enter__(self) -> "_PrecisionSetting":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _precision.set_mode(self._previous)
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+# --- registration -------------------------------------------------------------------------------
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return runtime.is_started()
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_registered = False
+
+
+def register_backend() -> None:
+    """Rename PrivateUse1 to "tpu", install hooks, guard and the `torch.tpu` module (once)."""
+    global _registered
+    if _registered:
+        return
+    import sys
+
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "tpu"):
+        raise RuntimeError(
+            f"PrivateUse1 is already taken by {torch._C._get_privateuse1_backend_name()!r}; "
+            "torchtpu cannot register the tpu device"
+        )
+    _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
+    _registered = True

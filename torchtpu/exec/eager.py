@@ -1,0 +1,92 @@
+"""The strict (and debug) eager executor: each ATen call runs as its own cached XLA program.
+
+Programs are keyed by `opcall.encode`'s key -- op, tensor geometries and dtypes, static
+arguments, precision mode, device -- and jitted once per key. Execution is asynchronous (PJRT
+dispatch returns at once; values materialise when the host reads them). In `debug` mode every
+call blocks until its result is ready, so a runtime error surfaces at the line that caused it.
+
+Buffers of the storages a call mutates are donated: an in-place op updates device memory without
+a copy, as PyTorch's in-place ops do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from torchtpu import metrics, runtime
+from torchtpu.exec import modes, opcall
+from torchtpu.storage import DeviceBuffer, new_tensor
+
+
+@dataclass
+class Executable:
+    program: opcall.Program
+    jitted: Callable[..., Any]
+    n_written: int
+    n_new: int
+
+
+_cache: dict[tuple, Executable] = {}
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _compile(call: opcall.Call) -> Executable:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    program = opcall.build(call)
+    donate = tuple(pos for pos, storage in enumerate(program.inputs) if storage in program.written)
+    device = runtime.jax_device(call.device)
+    jitted = jax.jit(
+        program.fn,
+        donate_argnums=donate,
+        out_shardings=SingleDeviceSharding(device),
+    )
+    metrics.count("eager_programs")
+    metrics.count_op("eager_programs_by_op", str(call.op))
+    exe = Executable(program, jitted, len(program.written), len(program.new))
+    _cache[call.key] = exe
+    return exe
+
+
+def run(call: opcall.Call) -> Any:
+    """Run one encoded call now (strict/debug modes) and return its Python result."""
+    exe = _cache.get(call.key)
+    compiled_now = exe is None
+    if compiled_now:
+        start = time.perf_counter()
+        exe = _compile(call)
+    buffers = call.buffers
+    program = exe.program
+    inputs = [buffers[i].value for i in program.inputs]
+    outs = exe.jitted(*inputs, *call.dynamic)
+    if compiled_now:
+        metrics.add_time("eager_compile", time.perf_counter() - start)
+    if modes.current() == "debug":
+        import jax
+
+        jax.block_until_ready(outs)
+    return finish(call, program, outs)
+
+
+def finish(call: opcall.Call, program: opcall.Program, outs) -> Any:
+    """Install a program's outputs: replace mutated buffers, wrap new tensors, read host values."""
+    buffers = call.buffers
+    n_written = len(program.written)
+    for i, storage in enumerate(program.written):
+        buffers[storage].value = outs[i]
+    new = []
+    device = call.device
+    for j, spec in enumerate(program.new):
+        buffer = DeviceBuffer(spec.dtype, spec.numel, device, outs[n_written + j])
+        new.append(new_tensor(buffer, spec.sizes, spec.strides))
+    host = [np.asarray(v).item() for v in outs[n_written + len(program.new):]]
+    return opcall.assemble(program.result, call, new, host)

@@ -1,0 +1,240 @@
+"""The PrivateUse1 kernels: how every ATen call on a `tpu` tensor reaches an executor.
+
+- Ops with a lowering (and their in-place / `out=` variants) run through `execute`, which hands
+  the call to the current eager executor (strict/debug run it now, defer records it).
+- View ops only change metadata: they redispatch to PyTorch's CPU kernels, which set sizes,
+  strides and storage offset on a tensor that shares the base's storage.
+- Allocation, transfers and resizing have their own kernels (`torchtpu.exec.memory`).
+- Everything else reaches the boxed fallback: PyTorch's decomposition if there is one, else the
+  CPU fallback -- counted, warned once per op, and an error under `TORCHTPU_STRICT_OPS=1`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from torchtpu import metrics
+from torchtpu.exec import eager, memory, modes, opcall
+from torchtpu.ops import decomps, registry
+from torchtpu.ops.schema import functional_variant, signature
+
+aten = torch.ops.aten
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+_impl_lib = torch.library.Library("aten", "IMPL")
+_fallback_lib = torch.library.Library("_", "IMPL")
+_registered: set[OpOverload] = set()
+
+
+class StrictOpsError(NotImplementedError):
+    """An op would run through the CPU fallback while `TORCHTPU_STRICT_OPS=1`."""
+
+
+@functools.lru_cache(maxsize=None)
+def lowering_for(op: OpOverload) -> registry.Lowering | None:
+    functional = functional_variant(op)
+    return registry.get(functional) if functional is not None else None
+
+
+def execute(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run (or record) a call of an op that has a lowering."""
+    lowering = lowering_for(op)
+    if lowering is None:
+        raise opcall.NoLowering(str(op))
+    call = opcall.encode(op, args, kwargs, lowering)
+    if modes.current() == "defer":
+        from torchtpu.exec import deferred
+
+        return deferred.record(call)
+    return eager.run(call)
+
+
+def _lowered_kernel(op: OpOverload):
+    def kernel(*args, **kwargs):
+        return execute(op, args, kwargs)
+
+    kernel.__name__ = f"tpu_{op.__name__}"
+    return kernel
+
+
+def _view_kernel(op: OpOverload):
+    def kernel(*args, **kwargs):
+        return op.redispatch(_CPU_KEYS, *args, **kwargs)
+
+    return kernel
+
+
+def _register(op: OpOverload, kernel) -> None:
+    if op in _registered:
+        return
+    _impl_lib.impl(op, kernel, "PrivateUse1")
+    _registered.add(op)
+
+
+# --- the fallback -------------------------------------------------------------------------------
+
+
+def strict_ops() -> bool:
+    return os.environ.get("TORCHTPU_STRICT_OPS", "0") not in ("", "0")
+
+
+_warned: set[str] = set()
+
+
+def fallback(op: OpOverload, *args, **kwargs) -> Any:
+    if lowering_for(op) is not None:
+        return execute(op, args, kwargs)
+    decomposition = decomps.get(op)
+    if decomposition is not None:
+        metrics.count_op("decomposed_ops", str(op))
+        if op in _decomposing.ops:
+            raise RuntimeError(
+                f"the decomposition of {op} calls {op} again on tpu tensors: it needs a lowering"
+            )
+        _decomposing.ops.add(op)
+        try:
+            return decomposition(*args, **kwargs)
+        finally:
+            _decomposing.ops.discard(op)
+    return cpu_fallback(op, args, kwargs)
+
+
+class _Decomposing(threading.local):
+    def __init__(self) -> None:
+        self.ops: set[OpOverload] = set()
+
+
+_decomposing = _Decomposing()
+
+
+def cpu_fallback(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run `op` on CPU copies of its arguments and copy results (and mutations) back."""
+    name = str(op)
+    if strict_ops():
+        raise StrictOpsError(
+            f"{name} has no tpu lowering or decomposition, and TORCHTPU_STRICT_OPS=1 forbids "
+            f"running it through the CPU fallback"
+        )
+    metrics.count("cpu_fallback_calls")
+    metrics.count_op("cpu_fallback_ops", name)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"{name} has no tpu lowering: running it on the CPU (slow: copies to and from the "
+            f"host). Set TORCHTPU_STRICT_OPS=1 to make this an error.",
+            stacklevel=3,
+        )
+    device = None
+    originals: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
+
+    def to_cpu(x):
+        nonlocal device
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            device = device or x.device
+            host = memory.numpy_to_torch(memory.to_numpy(x)).clone()
+            originals.append(x)
+            copies.append(host)
+            return host
+        if isinstance(x, torch.device) and x.type == "tpu":
+            device = device or x
+            return torch.device("cpu")
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_cpu(v) for v in x)
+        return x
+
+    cpu_args = to_cpu(args)
+    cpu_kwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+    result = op(*cpu_args, **cpu_kwargs)
+    # Mutated arguments: write back every tensor the CPU op changed (in place or out=).
+    written_names = {op._schema.arguments[i].name for i in signature(op).written}
+    by_identity = {id(c): o for o, c in zip(originals, copies)}
+    for original, copy in zip(originals, copies):
+        if written_names and _is_written(op, args, kwargs, original, written_names):
+            if original.shape != copy.shape:
+                original.resize_(copy.shape)
+            original.copy_(copy)
+
+    def back(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in by_identity:
+                return by_identity[id(x)]
+            return x.to(device) if device is not None else x
+        if isinstance(x, (list, tuple)):
+            return type(x)(back(v) for v in x)
+        return x
+
+    return back(result)
+
+
+def _is_written(op: OpOverload, args, kwargs, tensor, written_names) -> bool:
+    sig = signature(op)
+    values = sig.normalize(args, kwargs)
+    for arg, value in zip(sig.args, values):
+        if arg.name not in written_names:
+            continue
+        if value is tensor or (isinstance(value, (list, tuple)) and any(v is tensor for v in value)):
+            return True
+    return False
+
+
+# --- registration -------------------------------------------------------------------------------
+
+_VIEW_OPS = (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default)
+
+_MEMORY_KERNELS = {
+    aten.empty.memory_format: memory.empty_memory_format,
+    aten.empty_strided.default: memory.empty_strided,
+    aten.copy_.default: memory.copy_,
+    aten._copy_from.default: memory.copy_from,
+    aten._copy_from_and_resize.default: memory.copy_from_and_resize,
+    aten.resize_.default: memory.resize_,
+    aten.set_.source_Storage_storage_offset: memory.set_source_storage_offset,
+    aten.set_.source_Storage: memory.set_source_storage,
+    aten.set_.source_Tensor: memory.set_source_tensor,
+    aten.set_.default: memory.set_empty,
+    aten._local_scalar_dense.default: memory.local_scalar_dense,
+}
+
+
+def _variants(op: OpOverload):
+    """The in-place and out= overloads whose functional variant is `op`."""
+    name = op._schema.name.split("::")[1]
+    for packet_name in (name, name + "_"):
+        packet = getattr(aten, packet_name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            candidate = getattr(packet, overload)
+            if candidate is not op and signature(candidate).written and functional_variant(candidate) is op:
+                yield candidate
+
+
+def _is_composite_implicit(op: OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def register_all() -> None:
+    """Install the PrivateUse1 kernels for every lowered op, the view and memory ops, and the
+    fallback. Called once when torchtpu is imported (and again after new lowerings register)."""
+    for op in _VIEW_OPS:
+        _register(op, _view_kernel(op))
+    for op, kernel in _MEMORY_KERNELS.items():
+        _register(op, kernel)
+    for op in registry.lowered_ops():
+        if op in _MEMORY_KERNELS or _is_composite_implicit(op):
+            continue
+        _register(op, _lowered_kernel(op))
+        for variant in _variants(op):
+            if variant not in _MEMORY_KERNELS and not _is_composite_implicit(variant):
+                _register(variant, _lowered_kernel(variant))
+    if not getattr(register_all, "_fallback_done", False):
+        _fallback_lib.fallback(fallback, "PrivateUse1")
+        register_all._fallback_done = True

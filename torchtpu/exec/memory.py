@@ -1,0 +1,259 @@
+"""Kernels that allocate, move and resize device memory rather than compute.
+
+`empty*` allocate storage (it reads as zeros until written); `copy_` moves data between the host
+and devices and between devices; `resize_`/`set_` change a tensor's storage; `_local_scalar_dense`
+(`Tensor.item()`) reads one value to the host. Same-device copies are ordinary ops and go through
+the executors like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from torchtpu import dtypes, runtime, storage, strided
+from torchtpu.exec import modes
+
+aten = torch.ops.aten
+
+
+def _device_index(device) -> int:
+    from torchtpu.device import current_device
+
+    if device is None:
+        return current_device()
+    device = torch.device(device)
+    return current_device() if device.index is None else device.index
+
+
+def _check_device(index: int) -> int:
+    runtime.jax_device(index)  # validates the index and takes the device's process lock
+    return index
+
+
+def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
+                        memory_format=None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    dtypes.check_supported(dtype)
+    index = _check_device(_device_index(device))
+    sizes = tuple(int(s) for s in size)
+    strides = None
+    if memory_format in (torch.channels_last, torch.channels_last_3d):
+        strides = torch.empty(sizes, device="meta", memory_format=memory_format).stride()
+    return storage.empty(sizes, dtype, index, strides)
+
+
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    dtypes.check_supported(dtype)
+    index = _check_device(_device_index(device))
+    return storage.empty(tuple(int(s) for s in size), dtype, index, tuple(int(s) for s in stride))
+
+
+# --- reading to the host ----------------------------------------------------------------------
+
+
+def _materialized(buffer: storage.DeviceBuffer):
+    if modes.current() == "defer" or not _is_array(buffer.value):
+        from torchtpu.exec import deferred
+
+        deferred.materialize(buffer, reason="host read")
+    return buffer.value
+
+
+def _is_array(value) -> bool:
+    return value is None or hasattr(value, "block_until_ready")
+
+
+_read_programs: dict[tuple, object] = {}
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """The logical value of a `tpu` tensor as a host numpy array (bf16 as ml_dtypes.bfloat16)."""
+    buffer = storage.buffer_of(t)
+    value = _materialized(buffer)
+    sizes = tuple(t.shape)
+    np_dtype = dtypes.to_jax(t.dtype)
+    if value is None:
+        return np.zeros(sizes, np_dtype)
+    geometry = strided.Geometry(sizes, tuple(t.stride()), t.storage_offset())
+    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel):
+        return np.asarray(value).reshape(sizes)
+    import jax
+
+    key = (geometry, t.dtype, buffer.dtype, buffer.numel)
+    read = _read_programs.get(key)
+    if read is None:
+        def read_fn(flat):
+            return strided.read(strided.reinterpret(flat, np_dtype), geometry)
+
+        read = _read_programs[key] = jax.jit(read_fn)
+    return np.asarray(read(value))
+
+
+def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over `array`'s memory (no copy where possible; may be read-only memory, so
+    callers copy out of it rather than write to it)."""
+    array = np.ascontiguousarray(array)
+    if not array.flags.writeable:
+        array = array.copy()
+    if array.dtype == dtypes.to_jax(torch.bfloat16):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtypes.to_jax(torch.bfloat16))
+    return t.numpy()
+
+
+def local_scalar_dense(t: torch.Tensor):
+    value = to_numpy(t).reshape(()).item()
+    if t.dtype == torch.bool:
+        return bool(value)
+    return value
+
+
+# --- moving data ------------------------------------------------------------------------------
+
+
+def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous `tpu:index` tensor holding the CPU tensor `src` (converted to `dtype`)."""
+    import jax
+
+    dtype = dtype or src.dtype
+    dtypes.check_supported(dtype)
+    if src.dtype != dtype:
+        src = src.to(dtype)
+    array = torch_to_numpy(src).reshape(-1)
+    value = jax.device_put(array, runtime.jax_device(index))
+    buffer = storage.DeviceBuffer(dtype, array.size, index, value)
+    return storage.new_tensor(buffer, tuple(src.shape))
+
+
+def to_device(src: torch.Tensor, index: int) -> torch.Tensor:
+    """A contiguous copy of the `tpu` tensor `src` on `tpu:index`."""
+    import jax
+
+    array = to_numpy(src) if runtime.runtime().platform == "cpu" else None
+    if array is None:
+        # UNTESTED on TPU: device-to-device transfer without a host round trip.
+        value = jax.device_put(_contiguous_value(src), runtime.jax_device(index))
+        numel = math.prod(src.shape)
+    else:
+        value = jax.device_put(array.reshape(-1), runtime.jax_device(index))
+        numel = array.size
+    buffer = storage.DeviceBuffer(src.dtype, numel, index, value)
+    return storage.new_tensor(buffer, tuple(src.shape))
+
+
+def _contiguous_value(t: torch.Tensor):
+    contiguous = t.contiguous()
+    return _materialized(storage.buffer_of(contiguous))
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    from torchtpu.exec.kernels import execute
+
+    if dst.device.type != "tpu":
+        dst.copy_(numpy_to_torch(to_numpy(src)))
+        return dst
+    index = dst.device.index
+    if src.device.type != "tpu":
+        if src.device.type != "cpu":
+            raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported")
+        if _fills_whole(dst, src):
+            import jax
+
+            array = torch_to_numpy(src.to(dst.dtype)).reshape(-1)
+            buffer = storage.buffer_of(dst)
+            if modes.current() == "defer":
+                from torchtpu.exec import deferred
+
+                deferred.forget(buffer)
+            buffer.value = jax.device_put(array, runtime.jax_device(index))
+            return dst
+        src = from_host(src, index)
+    elif src.device.index != index:
+        src = to_device(src, index)
+    return execute(aten.copy_.default, (dst, src, non_blocking), {})
+
+
+def _fills_whole(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst is contiguous over all of its storage and src has its shape: the copy replaces it."""
+    buffer = storage.buffer_of(dst)
+    return (
+        dst.shape == src.shape
+        and dst.dtype == buffer.dtype
+        and dst.storage_offset() == 0
+        and dst.is_contiguous()
+        and dst.numel() == buffer.numel
+    )
+
+
+def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    return copy_(dst, src, non_blocking)
+
+
+def copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if dst.shape != src.shape:
+        dst.resize_(src.shape)
+    return copy_(dst, src)
+
+
+# --- changing a tensor's storage --------------------------------------------------------------
+
+
+def resize_(t: torch.Tensor, size: Sequence[int], memory_format=None) -> torch.Tensor:
+    sizes = tuple(int(s) for s in size)
+    strides = storage.contiguous_strides(sizes)
+    if memory_format in (torch.channels_last, torch.channels_last_3d):
+        strides = torch.empty(sizes, device="meta", memory_format=memory_format).stride()
+    needed = storage.storage_numel(sizes, strides, t.storage_offset())
+    buffer = storage.buffer_of(t)
+    if needed * dtypes.itemsize(t.dtype) <= buffer.nbytes:
+        storage._set_storage.redispatch(storage._CPU_KEYS, t, t.untyped_storage(), t.storage_offset(), sizes, strides)
+        return t
+    # Grow: a new storage whose prefix holds the old contents (as PyTorch's resize_ keeps them).
+    old = _materialized(buffer)
+    numel = needed if t.dtype == buffer.dtype else needed * dtypes.itemsize(t.dtype) // dtypes.itemsize(buffer.dtype)
+    grown = storage.DeviceBuffer(buffer.dtype, numel, buffer.device)
+    if old is not None:
+        grown.value = _grow(old, numel)
+    storage.attach(t, grown, sizes, strides, t.storage_offset())
+    return t
+
+
+def _grow(value, numel: int):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda v: jnp.pad(v, (0, numel - v.shape[0])))(value)
+
+
+def set_source_storage_offset(t: torch.Tensor, source, storage_offset, size, stride=()) -> torch.Tensor:
+    stride = tuple(stride) if stride else storage.contiguous_strides(size)
+    return storage._set_storage.redispatch(storage._CPU_KEYS, t, source, storage_offset, size, stride)
+
+
+def set_source_storage(t: torch.Tensor, source) -> torch.Tensor:
+    nbytes = source.nbytes()
+    n = nbytes // dtypes.itemsize(t.dtype)
+    return storage._set_storage.redispatch(storage._CPU_KEYS, t, source, 0, (n,), (1,))
+
+
+def set_source_tensor(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return storage._set_storage.redispatch(
+        storage._CPU_KEYS, t, source.untyped_storage(), source.storage_offset(),
+        tuple(source.shape), tuple(source.stride()),
+    )
+
+
+def set_empty(t: torch.Tensor) -> torch.Tensor:
+    buffer = storage.DeviceBuffer(t.dtype, 0, t.device.index)
+    return storage.attach(t, buffer, (0,), (1,))

@@ -1,0 +1,407 @@
+"""One ATen call on `tpu` tensors, split into a compile key and runtime inputs.
+
+`encode` reads a call's arguments once: the device buffers it touches (each storage once, however
+many tensors view it), the dynamic values (Scalars, 0-dim CPU tensors, the RNG key), and a
+hashable key of everything that shapes the compiled program (op, geometry and dtype of each
+tensor, static arguments, precision mode, device).
+
+`build` turns a key into a `Program`: a pure function from the storages' flat buffers and the
+dynamic values to new flat buffers -- it reads each tensor's region (`torchtpu.strided`), calls
+the op's lowering from the registry, and writes results into fresh buffers (functional outputs)
+or into the storages the op mutates (in-place and `out=` overloads). The strict executor jits
+one Program per key; the deferred executor traces many Programs into one computation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+from torch._ops import OpOverload
+
+from torchtpu import dtypes, precision, random as tpu_random, runtime, strided
+from torchtpu.ops import registry
+from torchtpu.ops.schema import ArgKind, Signature, functional_variant, signature
+from torchtpu.storage import BUFFER_ATTR, DeviceBuffer, buffer_of, contiguous_strides
+
+
+class StorageSpec(NamedTuple):
+    dtype: torch.dtype
+    numel: int
+    initialized: bool
+
+
+class TensorRef(NamedTuple):
+    """A `tpu` tensor argument: which storage it views and how."""
+
+    storage: int
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    geometry: strided.Geometry | None  # None: contiguous over its whole storage, same dtype
+
+
+class HostRef(NamedTuple):
+    """A 0-dim CPU tensor argument (or a wrapped Python number): passed as a runtime value."""
+
+    slot: int
+    dtype: torch.dtype
+    wrapped: bool
+
+
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+class ScalarRef(NamedTuple):
+    """A Scalar argument passed as a runtime value (its Python type shapes promotion)."""
+
+    slot: int
+    type: type
+
+
+class NoLowering(Exception):
+    """The op (or its functional variant) has no lowering in the registry."""
+
+
+def _mismatch(op: OpOverload, device: int, other: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"tpu:{device} and {other}! (in {op})"
+    )
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    return value
+
+
+class Call:
+    """A call's runtime side: the buffers and values to feed its Program."""
+
+    __slots__ = ("op", "sig", "values", "key", "buffers", "dynamic", "device", "lowering")
+
+    def __init__(self, op: OpOverload, sig: Signature, values: list, lowering) -> None:
+        self.op = op
+        self.sig = sig
+        self.values = values
+        self.lowering = lowering
+        self.buffers: list[DeviceBuffer] = []
+        self.dynamic: list[Any] = []
+        self.device: int | None = None
+        self.key: tuple = ()
+
+
+def _device_arg(values: list) -> int | None:
+    for v in values:
+        if isinstance(v, torch.device) and v.type == "tpu":
+            return v.index or 0
+    return None
+
+
+def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowering) -> Call:
+    sig = signature(op)
+    values = sig.normalize(args, kwargs)
+    call = Call(op, sig, values, lowering)
+    seen: dict[int, int] = {}
+    storages: list[StorageSpec] = []
+    dynamic_scalars = lowering.dynamic_scalars
+
+    def tensor(t: torch.Tensor):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            # A Python number standing for a tensor ("wrapped number", e.g. `x * 3`).
+            call.dynamic.append(t)
+            return HostRef(len(call.dynamic) - 1, _WRAPPED_DTYPES[type(t)], True)
+        if t.device.type != "tpu":
+            if t.dim() == 0 and t.device.type == "cpu":
+                call.dynamic.append(t.item())
+                return HostRef(len(call.dynamic) - 1, t.dtype, t._is_wrapped_number())
+            raise _mismatch(op, call.device if call.device is not None else 0, t.device)
+        storage = t.untyped_storage()
+        buffer = getattr(storage, BUFFER_ATTR, None) or buffer_of(t)
+        if call.device is None:
+            call.device = buffer.device
+        elif buffer.device != call.device:
+            raise _mismatch(op, call.device, t.device)
+        index = seen.get(id(buffer))
+        if index is None:
+            index = seen[id(buffer)] = len(call.buffers)
+            call.buffers.append(buffer)
+            storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None))
+        sizes = tuple(t.shape)
+        dtype = t.dtype
+        if dtype == buffer.dtype and t.storage_offset() == 0 and t.is_contiguous() and (
+            math.prod(sizes) == buffer.numel
+        ):
+            return TensorRef(index, dtype, sizes, None)
+        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()))
+
+    def scalar(v):
+        if v is None or not dynamic_scalars or isinstance(v, torch.Tensor):
+            return _freeze(v)
+        call.dynamic.append(v)
+        return ScalarRef(len(call.dynamic) - 1, type(v))
+
+    encoded = []
+    for arg, v in zip(sig.args, values):
+        kind = arg.kind
+        if kind is ArgKind.TENSOR:
+            encoded.append(tensor(v))
+        elif kind is ArgKind.TENSOR_LIST:
+            encoded.append(None if v is None else tuple(tensor(t) for t in v))
+        elif kind is ArgKind.SCALAR:
+            encoded.append(scalar(v))
+        elif kind is ArgKind.SCALAR_LIST:
+            encoded.append(None if v is None else tuple(scalar(s) for s in v))
+        else:
+            encoded.append(_freeze(v))
+    if call.device is None:
+        call.device = _device_arg(values)
+        if call.device is None:
+            call.device = current_device()
+    if lowering.random:
+        call.dynamic.append(tpu_random.next_key_words(call.device))
+    call.key = (op, precision.get_mode(), call.device, tuple(storages), tuple(encoded))
+    return call
+
+
+def current_device() -> int:
+    from torchtpu import device as tpu_device
+
+    return tpu_device.current_device()
+
+
+# --- building Programs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewTensor:
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int  # storage elements
+
+
+@dataclass
+class Program:
+    """A compiled-to-be function of one call's buffers and dynamic values.
+
+    Inputs: the initialized storages' flat buffers (in call order), then the dynamic values.
+    Outputs: new flat buffers for the `written` storages, then one per `new` tensor, then host
+    values (`host`: outputs that are Python numbers, e.g. `item()`).
+    """
+
+    fn: Callable[..., Any]
+    inputs: tuple[int, ...]  # storage indices passed as buffers
+    written: tuple[int, ...]  # storage indices whose buffers the program replaces
+    new: tuple[NewTensor, ...]
+    result: Any  # template of the Python return value, see `assemble`
+    key: tuple
+
+
+def _meta_tensor(ref: TensorRef) -> torch.Tensor:
+    strides = ref.geometry.strides if ref.geometry is not None else contiguous_strides(ref.sizes)
+    return torch.empty_strided(ref.sizes, strides, dtype=ref.dtype, device="meta")
+
+
+def meta_values(call_key: tuple, values: list) -> list:
+    """The call's arguments with tensors replaced by meta tensors (for shape/dtype inference)."""
+    encoded = call_key[4]
+
+    def conv(enc, v):
+        if isinstance(enc, TensorRef):
+            return _meta_tensor(enc)
+        if isinstance(enc, HostRef):
+            if enc.wrapped:
+                return v.item() if isinstance(v, torch.Tensor) else v
+            return torch.empty((), dtype=enc.dtype, device="meta")
+        if isinstance(enc, tuple) and isinstance(v, (list, tuple)):
+            return type(v)(conv(e, x) for e, x in zip(enc, v))
+        if isinstance(v, torch.device) and v.type == "tpu":
+            return torch.device("meta")
+        return v
+
+    return [conv(e, v) for e, v in zip(encoded, values)]
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some permutation of a contiguous layout."""
+    if t.numel() <= 1:
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _new_tensor_spec(meta: torch.Tensor) -> NewTensor:
+    sizes = tuple(meta.shape)
+    strides = tuple(meta.stride()) if _is_dense(meta) else contiguous_strides(sizes)
+    dtypes.check_supported(meta.dtype)
+    return NewTensor(sizes, strides, meta.dtype, max(math.prod(sizes), 0))
+
+
+def _write_new(value, spec: NewTensor):
+    """A fresh flat buffer holding `value` in `spec`'s layout."""
+    import jax.numpy as jnp
+
+    value = jnp.asarray(value).astype(dtypes.to_jax(spec.dtype))
+    value = jnp.broadcast_to(value, spec.sizes)
+    if spec.strides == contiguous_strides(spec.sizes):
+        return value.reshape(-1)
+    return strided.write(jnp.zeros(spec.numel, value.dtype), strided.Geometry(spec.sizes, spec.strides, 0), value)
+
+
+def read_tensor(flat, ref: TensorRef):
+    if ref.geometry is None:
+        return flat.reshape(ref.sizes)
+    flat = strided.reinterpret(flat, dtypes.to_jax(ref.dtype))
+    return strided.read(flat, ref.geometry)
+
+
+def write_tensor(flat, ref: TensorRef, value):
+    import jax.numpy as jnp
+
+    value = jnp.asarray(value)
+    if ref.geometry is None:
+        return jnp.broadcast_to(value.astype(flat.dtype), ref.sizes).reshape(-1)
+    dtype = dtypes.to_jax(ref.dtype)
+    view = strided.reinterpret(flat, dtype)
+    out = strided.write(view, ref.geometry, value.astype(dtype))
+    return strided.reinterpret(out, flat.dtype) if out.dtype != flat.dtype else out
+
+
+def build(call: Call) -> Program:
+    """Trace-ready Program for `call.key` (runs PyTorch's meta kernel for validation)."""
+    op, sig, key = call.op, call.sig, call.key
+    mode, device = key[1], key[2]
+    storages: tuple[StorageSpec, ...] = key[3]
+    encoded: tuple = key[4]
+    meta_args = meta_values(key, call.values)
+    pos, kw = sig.split(meta_args)
+    meta_out = op(*pos, **kw)  # raises PyTorch's own errors for bad shapes and dtypes
+
+    functional = functional_variant(op)
+    lowering = registry.get(functional) if functional is not None else None
+    if lowering is None:
+        raise NoLowering(str(op))
+    if functional is op:
+        fn_meta_args, fn_meta_out = meta_args, meta_out
+        fsig = sig
+    else:
+        fsig = signature(functional)
+        fn_meta_args = [a for a, arg in zip(meta_args, sig.args) if not (sig.is_out and arg.writes)]
+        fpos, fkw = fsig.split(fn_meta_args)
+        fn_meta_out = functional(*fpos, **fkw)
+
+    # Which tensors the op writes, in the order the functional outputs fill them.
+    write_refs: list[TensorRef] = []
+    for i in sig.written:
+        enc = encoded[i]
+        write_refs.extend((enc,) if isinstance(enc, TensorRef) else enc)
+    written = tuple(dict.fromkeys(r.storage for r in write_refs))
+
+    new: list[NewTensor] = []
+    host: list[type] = []
+    if sig.written:
+        result = _written_result(sig, op)
+    else:
+        result = _result_template(meta_out, new, host)
+    inputs = tuple(i for i, s in enumerate(storages) if s.initialized)
+    n_dynamic = len(call.dynamic)
+    encoded_f = [e for e, arg in zip(encoded, sig.args) if not (sig.is_out and arg.writes)]
+    platform = runtime.runtime().platform
+    random_op = lowering.random
+
+    def program(*flat_inputs):
+        import jax.numpy as jnp
+
+        buffers: list[Any] = [None] * len(storages)
+        for index, flat in zip(inputs, flat_inputs):
+            buffers[index] = flat
+        for index, spec in enumerate(storages):
+            if buffers[index] is None:
+                buffers[index] = jnp.zeros(spec.numel, dtypes.to_jax(spec.dtype))
+        dyn = flat_inputs[len(inputs):]
+
+        def value(enc):
+            if isinstance(enc, TensorRef):
+                return read_tensor(buffers[enc.storage], enc)
+            if isinstance(enc, HostRef):
+                return jnp.asarray(dyn[enc.slot], dtypes.to_jax(enc.dtype))
+            if isinstance(enc, ScalarRef):
+                return dyn[enc.slot]
+            if isinstance(enc, tuple):
+                return tuple(value(e) for e in enc)
+            return enc
+
+        args = [value(e) for e in encoded_f]
+        rng = tpu_random.key_from_words(dyn[n_dynamic - 1]) if random_op else None
+        ctx = registry.LoweringContext(functional, fn_meta_args, fn_meta_out, mode, platform, rng)
+        fpos, fkw = fsig.split(args)
+        out = lowering.fn(ctx, *fpos, **fkw)
+
+        if sig.written:
+            flat_out = out if isinstance(out, (tuple, list)) else (out,)
+            for ref, val in zip(write_refs, flat_out):
+                buffers[ref.storage] = write_tensor(buffers[ref.storage], ref, val)
+            return tuple(buffers[i] for i in written)
+        outs = list(_flatten(out))
+        new_flat = [_write_new(v, spec) for v, spec in zip(outs[: len(new)], new)]
+        return tuple(new_flat) + tuple(outs[len(new):])
+
+    return Program(program, inputs, written, tuple(new), result, key)
+
+
+def _flatten(out):
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _flatten(o)
+    elif out is not None:
+        yield out
+
+
+def _result_template(meta_out, new: list, host: list):
+    """How to assemble a functional op's return value from new tensors and host values."""
+    if isinstance(meta_out, torch.Tensor):
+        new.append(_new_tensor_spec(meta_out))
+        return ("new", len(new) - 1)
+    if isinstance(meta_out, (tuple, list)):
+        return (type(meta_out).__name__, tuple(_result_template(m, new, host) for m in meta_out))
+    if meta_out is None:
+        return ("none",)
+    host.append(type(meta_out))
+    return ("host", len(host) - 1, type(meta_out))
+
+
+def _written_result(sig: Signature, op: OpOverload):
+    returns = op._schema.returns
+    if not returns:
+        return ("none",)
+    outs = [i for i in sig.written]
+    if len(returns) == 1:
+        return ("arg", outs[0])
+    return ("tuple", tuple(("arg", i) for i in outs))
+
+
+def assemble(template, call: Call, new_tensors: list, host_values: list):
+    kind = template[0]
+    if kind == "new":
+        return new_tensors[template[1]]
+    if kind == "arg":
+        return call.values[template[1]]
+    if kind == "host":
+        return template[2](host_values[template[1]])
+    if kind == "none":
+        return None
+    parts = [assemble(t, call, new_tensors, host_values) for t in template[1]]
+    return parts if kind == "list" else tuple(parts)

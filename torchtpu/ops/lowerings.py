@@ -1,0 +1,3 @@
+"""Imports every family of lowerings, which fills the registry."""
+
+from torchtpu.ops import pointwise  # noqa: F401

@@ -1,0 +1,117 @@
+"""The one table of ATen -> XLA lowerings, shared by every executor.
+
+A lowering is a function `fn(ctx, *args, **kwargs)` over JAX values for one functional ATen
+overload: tensors arrive as `jax.Array`s holding their logical values (whatever their strides),
+Scalars as numbers or traced 0-d arrays, everything else as the Python values of the schema.
+It returns the op's outputs as arrays. It never deals with storage, views, devices, in-place
+writes or `out=` arguments: the executors do, the same way for every op.
+
+Shape and dtype rules are not the lowering's business either: the executors know the output
+metadata before they lower (from PyTorch's own meta kernels), and hand it over in `ctx`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._ops import OpOverload
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from torchtpu import dtypes
+
+
+@dataclass(frozen=True)
+class Lowering:
+    op: OpOverload
+    fn: Callable[..., Any]
+    # Scalar arguments are traced inputs (changing them does not recompile). Only for ops whose
+    # output metadata cannot depend on a Scalar's value (pointwise math, fills, optimizers).
+    dynamic_scalars: bool = False
+    # The op draws random numbers (`ctx.rng_key()`).
+    random: bool = False
+
+
+_LOWERINGS: dict[OpOverload, Lowering] = {}
+
+
+def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = False):
+    """Decorator: `fn` lowers each of `ops` (functional overloads only)."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            if not isinstance(op, OpOverload):
+                raise TypeError(f"register() takes OpOverloads, got {op!r}")
+            if op in _LOWERINGS:
+                raise ValueError(f"{op} already has a lowering ({_LOWERINGS[op].fn.__qualname__})")
+            _LOWERINGS[op] = Lowering(op, fn, dynamic_scalars, random)
+        return fn
+
+    return decorator
+
+
+def get(op: OpOverload) -> Lowering | None:
+    return _LOWERINGS.get(op)
+
+
+def lowered_ops() -> frozenset[OpOverload]:
+    return frozenset(_LOWERINGS)
+
+
+@dataclass
+class LoweringContext:
+    """What a lowering may know besides its argument values.
+
+    `meta_args` are the op's arguments in schema order with every tensor replaced by a meta (or
+    fake) tensor of the same metadata; `meta_out` is the op's output metadata in the same form.
+    """
+
+    op: OpOverload
+    meta_args: Sequence[Any]
+    meta_out: Any
+    precision: str = "default"
+    platform: str = "cpu"
+    _rng: Any = None
+    _rng_draws: int = field(default=0)
+
+    def out(self, index: int = 0) -> torch.Tensor:
+        """Output `index`'s metadata (a meta tensor)."""
+        out = self.meta_out
+        if isinstance(out, (tuple, list)):
+            return out[index]
+        if index != 0:
+            raise IndexError(f"{self.op} has one output")
+        return out
+
+    def out_dtype(self, index: int = 0):
+        return dtypes.to_jax(self.out(index).dtype)
+
+    def out_shape(self, index: int = 0) -> tuple[int, ...]:
+        return tuple(self.out(index).shape)
+
+    def arg(self, name_or_index: str | int) -> Any:
+        if isinstance(name_or_index, int):
+            return self.meta_args[name_or_index]
+        from torchtpu.ops.schema import signature
+
+        return self.meta_args[signature(self.op).index[name_or_index]]
+
+    def promotion(
+        self, kind: ELEMENTWISE_TYPE_PROMOTION_KIND, *names: str | int
+    ) -> tuple[Any, Any]:
+        """(computation dtype, result dtype) of PyTorch's elementwise type promotion."""
+        operands = [self.arg(n) for n in names]
+        operands = [o for o in operands if o is not None]
+        compute, result = elementwise_dtypes(*operands, type_promotion_kind=kind)
+        return dtypes.to_jax(compute), dtypes.to_jax(result)
+
+    def rng_key(self):
+        """A fresh PRNG key for this op (deterministic: the executor derives it from the
+        device generator's seed and offset)."""
+        if self._rng is None:
+            raise RuntimeError(f"{self.op}: lowering asks for random numbers but is not marked random")
+        import jax
+
+        self._rng_draws += 1
+        return jax.random.fold_in(self._rng, self._rng_draws)

@@ -1,0 +1,110 @@
+"""Matmul precision modes, as the TPU's MXU computes them.
+
+The MXU multiplies bf16 values and accumulates in fp32. An fp32 matmul is computed from bf16
+splits of its operands, `x = hi + mid + lo` (each part bf16; products of two bf16 values are exact
+in fp32):
+
+- `default`: 1 pass, hi*hi (fp32 inputs rounded to bf16);
+- `high`:    3 passes, hi*hi + hi*mid + mid*hi;
+- `highest`: 6 passes, adding hi*lo + lo*hi + mid*mid (about fp32 accuracy).
+
+On a TPU, XLA performs these passes itself when given `lax.Precision`. Everywhere else they are
+computed explicitly here, so that results on the CPU stand-in match a TPU's up to accumulation
+order. Inputs that are already bf16 (or f16) take one pass in every mode; float64 and integer
+matmuls are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MODES = ("default", "high", "highest")
+_PASSES = {"default": ((0, 0),), "high": ((0, 0), (0, 1), (1, 0)),
+           "highest": ((0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (1, 1))}
+_LAX_PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
+                  "highest": lax.Precision.HIGHEST}
+
+
+class _State(threading.local):
+    mode = "default"
+
+
+_state = _State()
+
+
+def _check(mode: str) -> str:
+    if hasattr(mode, "value"):  # torch.tpu.Precision enum members
+        mode = mode.value
+    mode = str(mode).lower()
+    if mode not in MODES:
+        raise ValueError(f"unknown matmul precision {mode!r}; expected one of {MODES}")
+    return mode
+
+
+def get_mode() -> str:
+    return _state.mode
+
+
+def set_mode(mode: str) -> None:
+    _state.mode = _check(mode)
+
+
+@contextlib.contextmanager
+def precision(mode: str) -> Iterator[None]:
+    """Context manager: run matmuls in `mode` inside the block."""
+    previous = _state.mode
+    _state.mode = _check(mode)
+    try:
+        yield
+    finally:
+        _state.mode = previous
+
+
+def _split(x, parts: int):
+    """bf16 parts of an fp32 array: x ~= parts[0] + parts[1] + ... (each exactly bf16)."""
+    out = []
+    rest = x
+    for _ in range(parts):
+        part = rest.astype(jnp.bfloat16)
+        out.append(part)
+        rest = rest - part.astype(jnp.float32)
+    return out
+
+
+def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=None):
+    """`lax.dot_general` with TPU matmul precision semantics for floating-point inputs."""
+    out_dtype = np.dtype(out_dtype or jnp.result_type(a, b))
+    if out_dtype not in (np.float32, np.dtype(jnp.bfloat16), np.float16):
+        # float64 and integers: exact, no bf16 passes.
+        return lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype)
+    if platform == "tpu":
+        # UNTESTED (no TPU here): XLA:TPU performs the bf16 passes itself.
+        result = lax.dot_general(
+            a.astype(jnp.float32) if a.dtype == np.float32 else a,
+            b.astype(jnp.float32) if b.dtype == np.float32 else b,
+            dimension_numbers,
+            precision=_LAX_PRECISION[mode],
+            preferred_element_type=jnp.float32,
+        )
+        return result.astype(out_dtype)
+    if a.dtype != np.float32 and b.dtype != np.float32:
+        # bf16/f16 operands: one pass, products accumulated in fp32.
+        result = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+        return result.astype(out_dtype)
+    passes = _PASSES[mode]
+    depth = 1 + max(max(p) for p in passes)
+    a_parts = _split(a.astype(jnp.float32), depth)
+    b_parts = _split(b.astype(jnp.float32), depth)
+    total = None
+    # Add the small terms first, as the MXU's fp32 accumulation of the passes does.
+    for i, j in reversed(passes):
+        term = lax.dot_general(a_parts[i], b_parts[j], dimension_numbers,
+                               preferred_element_type=jnp.float32)
+        total = term if total is None else total + term
+    return total.astype(out_dtype)

@@ -1,0 +1,148 @@
+"""The PJRT runtime behind the `tpu` device: which JAX devices back `tpu:0..N-1`.
+
+JAX is the PJRT client on these machines. The TPU platform is used where present; otherwise
+JAX's CPU platform stands in, with `TORCHTPU_NUM_DEVICES` virtual devices (default 1). The
+runtime starts lazily, on first use of a device, so `import torch` (which autoloads this
+backend) stays cheap and the device count can still be chosen before it starts.
+
+`ON_TPU` is the one switch for code that only a real TPU can run (native matmul precision,
+SparseCore custom calls, XLA collectives across chips). Everything behind it is untested
+here: there is no TPU on the development machines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchtpu import device_lock
+
+if TYPE_CHECKING:
+    import jax
+
+_NUM_DEVICES_ENV = "TORCHTPU_NUM_DEVICES"
+_FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class RuntimeConfigError(RuntimeError):
+    """The runtime cannot honour its configuration (for example, set after it started)."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The started runtime: the platform and the JAX devices that back `tpu:i`."""
+
+    platform: str
+    devices: tuple["jax.Device", ...]
+
+    @property
+    def on_tpu(self) -> bool:
+        return self.platform == "tpu"
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def _requested_device_count() -> int | None:
+    value = os.environ.get(_NUM_DEVICES_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise RuntimeConfigError(f"{_NUM_DEVICES_ENV}={value!r} is not an integer") from None
+    if count < 1:
+        raise RuntimeConfigError(f"{_NUM_DEVICES_ENV}={count} must be at least 1")
+    return count
+
+
+def _forced_host_device_count() -> int | None:
+    match = re.search(_FORCE_COUNT_FLAG + r"=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(match.group(1)) if match else None
+
+
+def _configure_host_platform(requested: int | None) -> None:
+    """Ask XLA for enough virtual CPU devices, before the JAX backends start."""
+    from jax._src import xla_bridge
+
+    forced = _forced_host_device_count()
+    want = requested or 1
+    if xla_bridge.backends_are_initialized():
+        return
+    if forced is None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} {_FORCE_COUNT_FLAG}={want}".strip()
+    elif forced < want:
+        os.environ["XLA_FLAGS"] = re.sub(
+            _FORCE_COUNT_FLAG + r"=\d+", f"{_FORCE_COUNT_FLAG}={want}", os.environ["XLA_FLAGS"]
+        )
+
+
+def _start() -> Runtime:
+    requested = _requested_device_count()
+    _configure_host_platform(requested)
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        tpus = jax.devices("tpu")
+    except RuntimeError:
+        tpus = []
+    if tpus:
+        devices = tuple(tpus[:requested] if requested else tpus)
+        return Runtime("tpu", devices)
+    cpus = jax.devices("cpu")
+    want = requested or 1
+    if len(cpus) < want:
+        raise RuntimeConfigError(
+            f"{_NUM_DEVICES_ENV}={want} asks for {want} stand-in devices, but the JAX CPU backend "
+            f"already started with {len(cpus)}. Set {_NUM_DEVICES_ENV} (or XLA_FLAGS="
+            f"{_FORCE_COUNT_FLAG}={want}) before anything uses jax or the tpu device."
+        )
+    return Runtime("cpu", tuple(cpus[:want]))
+
+
+def runtime() -> Runtime:
+    """The runtime, started on first call."""
+    global _runtime
+    if _runtime is None:
+        with _lock:
+            if _runtime is None:
+                _runtime = _start()
+    return _runtime
+
+
+def is_started() -> bool:
+    return _runtime is not None
+
+
+def device_count() -> int:
+    return len(runtime().devices)
+
+
+def jax_device(index: int) -> "jax.Device":
+    """The JAX device behind `tpu:index`; takes the device's process lock on first use."""
+    devices = runtime().devices
+    if not 0 <= index < len(devices):
+        raise RuntimeError(
+            f"tpu:{index} does not exist: this process has {len(devices)} tpu device(s) "
+            f"(set {_NUM_DEVICES_ENV} before first use to change the stand-in count)"
+        )
+    device_lock.acquire(index, runtime().platform)
+    return devices[index]
+
+
+def check_device_count_env() -> None:
+    """Raise if `TORCHTPU_NUM_DEVICES` changed after the runtime started (set too late)."""
+    if _runtime is None:
+        return
+    requested = _requested_device_count()
+    if requested is not None and _runtime.platform == "cpu" and requested != len(_runtime.devices):
+        raise RuntimeConfigError(
+            f"{_NUM_DEVICES_ENV}={requested} was set after the tpu runtime started with "
+            f"{len(_runtime.devices)} device(s); set it before the first use of the device"
+        )

@@ -1,0 +1,213 @@
+"""Device storage: how a `tpu` tensor's data lives in a PJRT buffer.
+
+A `tpu` tensor is a real PrivateUse1 TensorImpl. Its `UntypedStorage` has the right byte size but
+holds no host data (a null data pointer); the device data belongs to the storage as a
+`DeviceBuffer`, attached to the storage's (preserved) Python object. The buffer is one flat
+`jax.Array` per storage. Every tensor that shares the storage -- the base, its views, `.data`,
+`detach()` -- reads and writes its own region of that flat buffer by its sizes, strides and
+storage offset, which is exactly PyTorch's aliasing model (see `torchtpu.strided`).
+
+Tensors on `tpu:i` are made from a per-(device, dtype) seed tensor: `seed.data` gives a fresh
+TensorImpl (own version counter) on the right device, which is then pointed at a new storage.
+The seeds come from DLPack, the one public path that builds a PrivateUse1 tensor on a device
+index other than 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from torchtpu import dtypes
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+_new_storage = torch._C._construct_storage_from_data_pointer
+
+BUFFER_ATTR = "_tpu_buffer"
+
+
+class _Stats:
+    """Bytes of live device storages, per device (what `torch.tpu.memory_allocated` reports)."""
+
+    def __init__(self) -> None:
+        self.allocated: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, device: int, nbytes: int) -> None:
+        with self.lock:
+            now = self.allocated.get(device, 0) + nbytes
+            self.allocated[device] = now
+            if now > self.peak.get(device, 0):
+                self.peak[device] = now
+
+
+stats = _Stats()
+
+
+class DeviceBuffer:
+    """The device data of one storage.
+
+    `value` is a flat 1-D array of `dtype` with `numel` elements: a `jax.Array`, a pending value
+    of the deferred executor, or None for storage that was allocated but never written (it reads
+    as zeros, like fresh device memory that happens to be cleared).
+    """
+
+    __slots__ = ("value", "dtype", "numel", "device", "nbytes", "__weakref__")
+
+    def __init__(self, dtype: torch.dtype, numel: int, device: int, value: Any = None) -> None:
+        self.value = value
+        self.dtype = dtype
+        self.numel = numel
+        self.device = device
+        self.nbytes = numel * dtypes.itemsize(dtype)
+        stats.add(device, self.nbytes)
+
+    def __del__(self) -> None:
+        try:
+            stats.add(self.device, -self.nbytes)
+        except Exception:  # interpreter shutdown: the stats may already be gone
+            pass
+
+
+# --- seeds: one PrivateUse1 tensor per (device index, dtype), made through DLPack -------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))),
+]
+
+_KDL_EXT_DEV = 12  # DLPack's extension device type; PyTorch maps it to PrivateUse1
+_DL_CODES = {
+    torch.float32: (2, 32), torch.float64: (2, 64), torch.float16: (2, 16),
+    torch.bfloat16: (4, 16), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
+    torch.int64: (0, 64), torch.uint8: (1, 8), torch.bool: (6, 8),
+}
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_seeds: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_seed_keepalive: list[Any] = []
+_seed_lock = threading.Lock()
+
+
+def _make_seed(device: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = (ctypes.c_int64 * 1)(0)
+    strides = (ctypes.c_int64 * 1)(1)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = None
+    managed.dl_tensor.device = _DLDevice(_KDL_EXT_DEV, device)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DLDataType(*_DL_CODES[dtype], 1)
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = strides
+    # The seed lives as long as the process and has no deleter: keep its structures alive.
+    _seed_keepalive.append((managed, shape, strides))
+    capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
+    return torch._C._from_dlpack(capsule)
+
+
+def _seed(device: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, dtype)
+    seed = _seeds.get(key)
+    if seed is None:
+        dtypes.check_supported(dtype)
+        with _seed_lock:
+            seed = _seeds.get(key)
+            if seed is None:
+                seed = _seeds[key] = _make_seed(device, dtype)
+    return seed
+
+
+# --- making tensors ---------------------------------------------------------------------------
+
+
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for size in reversed(sizes):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def attach(t: torch.Tensor, buffer: DeviceBuffer, sizes, strides, offset: int = 0) -> torch.Tensor:
+    """Point `t` at a new storage that owns `buffer`, with the given geometry."""
+    storage = _new_storage(0, t.device, buffer.nbytes)
+    setattr(storage, BUFFER_ATTR, buffer)
+    _set_storage.redispatch(_CPU_KEYS, t, storage, offset, sizes, strides)
+    return t
+
+
+def new_tensor(
+    buffer: DeviceBuffer,
+    sizes: Sequence[int],
+    strides: Sequence[int] | None = None,
+    offset: int = 0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A new `tpu` tensor on `buffer.device` viewing `buffer` (dtype defaults to the buffer's)."""
+    t = _seed(buffer.device, dtype or buffer.dtype).data
+    return attach(t, buffer, sizes, contiguous_strides(sizes) if strides is None else strides, offset)
+
+
+def empty(sizes: Sequence[int], dtype: torch.dtype, device: int, strides=None) -> torch.Tensor:
+    """An uninitialised tensor: its storage reads as zeros until written."""
+    sizes = tuple(sizes)
+    strides = contiguous_strides(sizes) if strides is None else tuple(strides)
+    numel = storage_numel(sizes, strides)
+    return new_tensor(DeviceBuffer(dtype, numel, device), sizes, strides)
+
+
+def storage_numel(sizes: Sequence[int], strides: Sequence[int], offset: int = 0) -> int:
+    """Elements a storage needs to hold a tensor of this geometry."""
+    if any(s == 0 for s in sizes):
+        return offset
+    return offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+
+
+def buffer_of(t: torch.Tensor) -> DeviceBuffer:
+    """The device buffer behind a `tpu` tensor."""
+    storage = t.untyped_storage()
+    buffer = getattr(storage, BUFFER_ATTR, None)
+    if buffer is None:
+        # A storage that PyTorch allocated itself (e.g. `UntypedStorage(n, device="tpu")`):
+        # give it fresh device memory of its byte size, read as elements of this tensor's dtype.
+        buffer = DeviceBuffer(t.dtype, storage.nbytes() // dtypes.itemsize(t.dtype), t.device.index)
+        setattr(storage, BUFFER_ATTR, buffer)
+    return buffer
+
+
+def set_buffer(t: torch.Tensor, buffer: DeviceBuffer) -> None:
+    setattr(t.untyped_storage(), BUFFER_ATTR, buffer)

@@ -1,0 +1,152 @@
+"""PyTorch's strided memory model over flat XLA buffers.
+
+Each storage's data is one flat array. A tensor is a region of it: element `i` (a multi-index)
+lives at `offset + sum(i_k * stride_k)`. `read` gathers a tensor's logical value from the flat
+buffer; `write` returns the flat buffer with the tensor's region replaced. Both run inside traced
+computations, so XLA fuses them with the op that uses them.
+
+Three cases, cheapest first:
+- dense: the region is a contiguous run in some dimension order (contiguous tensors, transposes,
+  channels-last, contiguous slices): one slice, reshape and transpose;
+- nested: non-overlapping strides (step slices, `select`, `diagonal`, narrowed inner dims): a slice
+  of a padded block, reshaped dimension by dimension;
+- anything else (overlapping windows such as `unfold`/`as_strided` tricks): an index gather, or a
+  scatter for writes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class Geometry(NamedTuple):
+    """Sizes, strides and storage offset of a tensor, in elements of its dtype."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def is_whole(geometry: Geometry, storage_numel: int) -> bool:
+    """True when the tensor is contiguous and covers its whole storage (the common case)."""
+    sizes, strides, offset = geometry
+    if offset != 0 or math.prod(sizes) != storage_numel:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _core_dims(geometry: Geometry) -> list[int]:
+    """Dims that move through memory (size > 1, stride != 0), outermost (largest stride) first."""
+    dims = [d for d, (n, s) in enumerate(zip(geometry.sizes, geometry.strides)) if n > 1 and s != 0]
+    return sorted(dims, key=lambda d: -abs(geometry.strides[d]))
+
+
+def _classify(geometry: Geometry) -> tuple[str, list[int]]:
+    dims = _core_dims(geometry)
+    strides = [geometry.strides[d] for d in dims]
+    sizes = [geometry.sizes[d] for d in dims]
+    if any(s < 0 for s in strides):
+        return "gather", dims
+    dense = all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(len(dims) - 1))
+    if dense and (not dims or strides[-1] == 1):
+        return "dense", dims
+    nested = all(strides[i] >= strides[i + 1] * sizes[i + 1] for i in range(len(dims) - 1))
+    return ("nested" if nested else "gather"), dims
+
+
+def _finish(core_value, geometry: Geometry, dims: list[int]):
+    """From a value laid out over `dims` (memory order) to the tensor's logical shape."""
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    value = jnp.transpose(core_value, order) if order != list(range(len(dims))) else core_value
+    kept = sorted(dims)
+    shape = [geometry.sizes[d] if d in kept else 1 for d in range(len(geometry.sizes))]
+    value = value.reshape(shape)
+    return jnp.broadcast_to(value, geometry.sizes) if tuple(shape) != geometry.sizes else value
+
+
+def _indices(geometry: Geometry):
+    index = jnp.full(geometry.sizes, geometry.offset, dtype=jnp.int64)
+    for d, (n, s) in enumerate(zip(geometry.sizes, geometry.strides)):
+        if n > 1 and s != 0:
+            index = index + lax.broadcasted_iota(jnp.int64, geometry.sizes, d) * s
+    return index
+
+
+def reinterpret(flat, dtype):
+    """View a flat buffer as elements of another dtype (`Tensor.view(dtype)`)."""
+    dtype = np.dtype(dtype)
+    if flat.dtype == dtype:
+        return flat
+    src = np.uint8 if flat.dtype == np.bool_ else flat.dtype
+    dst = np.uint8 if dtype == np.bool_ else dtype
+    flat = flat.astype(np.uint8) if flat.dtype == np.bool_ else flat
+    a, b = np.dtype(src).itemsize, np.dtype(dst).itemsize
+    if a == b:
+        out = lax.bitcast_convert_type(flat, dst)
+    elif a > b:
+        out = lax.bitcast_convert_type(flat, dst).reshape(-1)
+    else:
+        out = lax.bitcast_convert_type(flat.reshape(-1, b // a), dst)
+    return out.astype(np.bool_) if dtype == np.bool_ else out
+
+
+def read(flat, geometry: Geometry):
+    """The logical value of the tensor `geometry` describes, from its storage's flat buffer."""
+    sizes, strides, offset = geometry
+    if geometry.numel == 0:
+        return jnp.zeros(sizes, flat.dtype)
+    kind, dims = _classify(geometry)
+    if kind == "gather":
+        return flat[_indices(geometry)]
+    core_sizes = [sizes[d] for d in dims]
+    if kind == "dense":
+        count = math.prod(core_sizes)
+        if offset == 0 and count == flat.shape[0]:
+            core = flat.reshape(core_sizes)
+        else:
+            core = lax.slice(flat, (offset,), (offset + count,)).reshape(core_sizes)
+        return _finish(core, geometry, dims)
+    core_strides = [strides[d] for d in dims]
+    span = core_sizes[0] * core_strides[0]
+    if offset + span > flat.shape[0]:
+        flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
+    block = lax.slice(flat, (offset,), (offset + span,)).reshape(core_sizes[0], core_strides[0])
+    for n, s in zip(core_sizes[1:], core_strides[1:]):
+        block = block[..., : n * s].reshape(*block.shape[:-1], n, s)
+    return _finish(block[..., 0], geometry, dims)
+
+
+def write(flat, geometry: Geometry, value):
+    """`flat` with the region of the tensor `geometry` describes replaced by `value`."""
+    value = jnp.asarray(value, flat.dtype)
+    if geometry.numel == 0:
+        return flat
+    value = jnp.broadcast_to(value, geometry.sizes)
+    kind, dims = _classify(geometry)
+    if kind == "dense" and len(dims) == sum(1 for n in geometry.sizes if n > 1):
+        squeezed = value.reshape([n for n in geometry.sizes if n > 1])
+        run = jnp.transpose(squeezed, _memory_order(geometry, dims)).reshape(-1)
+        if geometry.offset == 0 and run.shape[0] == flat.shape[0]:
+            return run
+        return lax.dynamic_update_slice(flat, run, (geometry.offset,))
+    return flat.at[_indices(geometry).reshape(-1)].set(value.reshape(-1))
+
+
+def _memory_order(geometry: Geometry, dims: list[int]) -> list[int]:
+    """Permutation taking the squeezed logical value to memory (largest stride first) order."""
+    squeezed = [d for d, n in enumerate(geometry.sizes) if n > 1]
+    return [squeezed.index(d) for d in dims]

@@ -228,6 +228,8 @@ def register_all() -> None:
         _register(op, _view_kernel(op))
     for op, kernel in _MEMORY_KERNELS.items():
         _register(op, kernel)
+    for op, kernel in registry.data_dependent_ops().items():
+        _register(op, kernel)
     for op in registry.lowered_ops():
         if op in _MEMORY_KERNELS or _is_composite_implicit(op):
             continue

@@ -97,9 +97,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
     """A CPU tensor over `array`'s memory (no copy where possible; may be read-only memory, so
     callers copy out of it rather than write to it)."""
-    array = np.ascontiguousarray(array)
-    if not array.flags.writeable:
-        array = array.copy()
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = array.copy(order="C")
     if array.dtype == dtypes.to_jax(torch.bfloat16):
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)

@@ -255,10 +255,21 @@ def _write_new(value, spec: NewTensor):
     import jax.numpy as jnp
 
     value = jnp.asarray(value).astype(dtypes.to_jax(spec.dtype))
-    value = jnp.broadcast_to(value, spec.sizes)
+    _check_shape(value, spec.sizes)
     if spec.strides == contiguous_strides(spec.sizes):
         return value.reshape(-1)
     return strided.write(jnp.zeros(spec.numel, value.dtype), strided.Geometry(spec.sizes, spec.strides, 0), value)
+
+
+class LoweringError(RuntimeError):
+    """A lowering returned a value whose shape disagrees with PyTorch's meta kernel (a bug)."""
+
+
+def _check_shape(value, sizes) -> None:
+    if tuple(value.shape) != tuple(sizes):
+        raise LoweringError(
+            f"lowering returned shape {tuple(value.shape)}, but PyTorch's meta kernel says {tuple(sizes)}"
+        )
 
 
 def read_tensor(flat, ref: TensorRef):
@@ -272,8 +283,9 @@ def write_tensor(flat, ref: TensorRef, value):
     import jax.numpy as jnp
 
     value = jnp.asarray(value)
+    _check_shape(value, ref.sizes)
     if ref.geometry is None:
-        return jnp.broadcast_to(value.astype(flat.dtype), ref.sizes).reshape(-1)
+        return value.astype(flat.dtype).reshape(-1)
     dtype = dtypes.to_jax(ref.dtype)
     view = strided.reinterpret(flat, dtype)
     out = strided.write(view, ref.geometry, value.astype(dtype))

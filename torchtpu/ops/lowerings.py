@@ -1,3 +1,19 @@
 """Imports every family of lowerings, which fills the registry."""
 
-from torchtpu.ops import pointwise  # noqa: F401
+from torchtpu.ops import (  # noqa: F401
+    activations,
+    conv,
+    creation,
+    data_dependent,
+    indexing,
+    linalg,
+    nn,
+    pointwise,
+    pooling,
+    random,
+    reduction,
+    shape,
+    sorting,
+    special,
+    views,
+)

@@ -43,12 +43,34 @@ def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = Fal
         for op in ops:
             if not isinstance(op, OpOverload):
                 raise TypeError(f"register() takes OpOverloads, got {op!r}")
-            if op in _LOWERINGS:
+            if op in _LOWERINGS or op in _DATA_DEPENDENT:
                 raise ValueError(f"{op} already has a lowering ({_LOWERINGS[op].fn.__qualname__})")
             _LOWERINGS[op] = Lowering(op, fn, dynamic_scalars, random)
         return fn
 
     return decorator
+
+
+_DATA_DEPENDENT: dict[OpOverload, Callable[..., Any]] = {}
+
+
+def register_data_dependent(*ops: OpOverload):
+    """Decorator for ops whose output shape depends on values (`nonzero`, `unique`, boolean
+    masks): `fn(*args, **kwargs)` takes and returns `tpu` torch tensors, reads the size it needs
+    to the host (one sync), and finishes with ops of static shape, e.g. `nonzero_static`."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            if op in _DATA_DEPENDENT or op in _LOWERINGS:
+                raise ValueError(f"{op} is already registered")
+            _DATA_DEPENDENT[op] = fn
+        return fn
+
+    return decorator
+
+
+def data_dependent_ops() -> dict[OpOverload, Callable[..., Any]]:
+    return dict(_DATA_DEPENDENT)
 
 
 def get(op: OpOverload) -> Lowering | None:

@@ -1,0 +1,1 @@
+"""Activation functions and their backward ops."""

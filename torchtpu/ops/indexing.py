@@ -1,0 +1,1 @@
+"""Indexing: gather, scatter, index, index_put, index_select, masked ops, embedding."""

@@ -1,0 +1,1 @@
+"""Matrix products (mm, bmm, addmm, ... with TPU precision modes) and linear algebra."""

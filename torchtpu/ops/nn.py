@@ -1,0 +1,1 @@
+"""Normalisation, softmax, losses and other neural-network ops, with their backward ops."""

@@ -1,0 +1,1 @@
+"""Pooling and upsampling, with their backward ops."""

@@ -1,0 +1,1 @@
+"""Reductions: sums, means, variances, extrema, norms, logical reductions."""

@@ -1,0 +1,1 @@
+"""Sorting, top-k, scans (cumsum, cumprod, cummax, ...), searchsorted."""

@@ -1,0 +1,1 @@
+"""Special functions (erf, gamma family, Bessel, ...)."""

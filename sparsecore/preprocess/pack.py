@@ -1,0 +1,206 @@
+"""Pack merged (sample, column) pairs into the static per-device buffers the kernels read.
+
+Per local device: `row_pointers [S*R]`, and `embedding_ids`, `sample_ids`, `gains` of length C.
+SparseCore s owns the segment [s*C/S, (s+1)*C/S); in it partitions 0..N-1 follow in order,
+each starting at the previous end rounded up to 8, entries sorted by (embedding id, sample).
+Row-pointer slot p of SparseCore s holds the UNROUNDED end of partition p relative to the segment
+start; slots N..R-1 hold the rounded end of the last partition. Slots not holding an entry are
+pads (ids 2^31-1, gain NaN) -- also past the defined prefix, where the reference leaves garbage.
+These are the semantics of jax-tpu-embedding 0.2.0 (see tests/sparsecore/golden/.../README.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsecore.layout import StackedTable, round_up
+from sparsecore.preprocess.partition import MergedPairs, exclusive_cumsum, select_pairs
+from sparsecore.topology import Topology
+
+__all__ = [
+    "PAD_ID",
+    "BufferOverflowError",
+    "BufferSizes",
+    "PackedBuffers",
+    "UniqueRows",
+    "buffer_sizes",
+    "pack_buffers",
+]
+
+PAD_ID = 2**31 - 1
+"""Embedding and sample id of pad slots (gain NaN)."""
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Static sizes of one stack's buffers on one device (they fix the compiled shapes)."""
+
+    sparsecores_per_device: int
+    row_pointers_per_sparsecore: int
+    coo_buffer_size_per_device: int
+    batch_size_per_sparsecore: int
+    unique_rows_per_partition: int
+
+    @property
+    def row_pointers_size_per_device(self) -> int:
+        return self.sparsecores_per_device * self.row_pointers_per_sparsecore
+
+    @property
+    def coo_buffer_size_per_sparsecore(self) -> int:
+        return self.coo_buffer_size_per_device // self.sparsecores_per_device
+
+
+def buffer_sizes(stack: StackedTable, topology: Topology) -> BufferSizes:
+    """C = round8(max_ids_per_partition) * S * N, or the stack's suggested size rounded up to 8S.
+
+    `unique_rows_per_partition` U = round8(min(S * max_unique_ids, rows_per_shard)) bounds the
+    distinct rows one device looks up in one partition (each of its S SparseCores sends at most
+    max_unique_ids distinct columns there).
+    """
+    per_device = topology.sparsecores_per_device
+    if stack.suggested_coo_buffer_size_per_device is not None:
+        coo = round_up(stack.suggested_coo_buffer_size_per_device, 8 * per_device)
+    else:
+        coo = round_up(stack.max_ids_per_partition, 8) * per_device * topology.num_sparsecores
+    unique = min(per_device * stack.max_unique_ids_per_partition, stack.rows_per_shard)
+    return BufferSizes(
+        sparsecores_per_device=per_device,
+        row_pointers_per_sparsecore=topology.row_pointers_per_sparsecore,
+        coo_buffer_size_per_device=coo,
+        batch_size_per_sparsecore=stack.batch_size_per_sparsecore,
+        unique_rows_per_partition=round_up(unique, 8),
+    )
+
+
+class BufferOverflowError(ValueError):
+    """A SparseCore's entries do not fit its segment of the COO buffer, with dropping off."""
+
+    def __init__(
+        self, stack: StackedTable, sizes: BufferSizes, device: int, sparsecore: int, needed: int
+    ) -> None:
+        self.stack, self.device, self.sparsecore = stack.name, device, sparsecore
+        self.needed, self.capacity = needed, sizes.coo_buffer_size_per_sparsecore
+        super().__init__(
+            f"stacked table {stack.name!r} (tables {', '.join(stack.table_names)}; features "
+            f"{', '.join(stack.feature_names)}): local device {device}, SparseCore {sparsecore} "
+            f"needs {needed} COO slots but its segment holds {self.capacity} "
+            f"(coo_buffer_size_per_device {sizes.coo_buffer_size_per_device} from "
+            f"suggested_coo_buffer_size_per_device={stack.suggested_coo_buffer_size_per_device}). "
+            "Raise the suggested buffer size or enable allow_id_dropping."
+        )
+
+
+@dataclass(frozen=True)
+class UniqueRows:
+    """Stand-in aid, derived from (never replacing) the hardware buffers: the distinct rows each
+    local device looks up in each partition, so a CPU kernel gathers every row once.
+
+    `unique_ids [L, N, U] int32`: ascending local rows (the buffers' embedding ids) of partition
+    p looked up by any SparseCore of device d, then pads (`PAD_ID`); `unique_counts [L, N] int32`:
+    how many are real. `entry_unique_index [L, C] int32`: for each real entry of
+    `embedding_ids[d]`, the flat index p * U + k into `unique_ids[d].reshape(N * U)` of its row
+    (so `embedding_ids[d, c] == unique_ids[d].reshape(-1)[entry_unique_index[d, c]]`); `PAD_ID`
+    on pad slots. U is `BufferSizes.unique_rows_per_partition`.
+    """
+
+    unique_ids: np.ndarray
+    unique_counts: np.ndarray
+    entry_unique_index: np.ndarray
+
+
+@dataclass(frozen=True)
+class PackedBuffers:
+    """One stack's buffers for this host's local devices (leading dim L)."""
+
+    row_pointers: np.ndarray
+    embedding_ids: np.ndarray
+    sample_ids: np.ndarray
+    gains: np.ndarray
+    unique: UniqueRows | None
+    dropped_ids: int
+
+
+def _unique_rows(
+    pairs: MergedPairs, slots: np.ndarray, n: int, sizes: BufferSizes, local_devices: int, rows: int
+) -> UniqueRows:
+    """Distinct (device, partition, row) among the written entries, and each entry's index."""
+    width = sizes.unique_rows_per_partition
+    groups, keys = pairs.row_group, pairs.row_group_key
+    if pairs.dropped_ids:
+        present = np.zeros(len(keys), dtype=bool)
+        present[groups] = True
+        groups = (np.cumsum(present) - 1)[groups]
+        keys = keys[present]
+    device_partition = keys // rows
+    counts = np.bincount(device_partition, minlength=local_devices * n)
+    rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
+    unique_ids = np.full((local_devices * n, width), PAD_ID, dtype=np.int32)
+    unique_ids[device_partition, rank] = keys - device_partition * rows
+    index_in_device = (device_partition & (n - 1)) * width + rank
+    entry_index = np.full(local_devices * sizes.coo_buffer_size_per_device, PAD_ID, dtype=np.int32)
+    entry_index[slots] = index_in_device[groups]
+    return UniqueRows(
+        unique_ids=unique_ids.reshape(local_devices, n, width),
+        unique_counts=counts.astype(np.int32).reshape(local_devices, n),
+        entry_unique_index=entry_index.reshape(local_devices, -1),
+    )
+
+
+def pack_buffers(
+    stack: StackedTable,
+    pairs: MergedPairs,
+    sizes: BufferSizes,
+    local_devices: int,
+    allow_id_dropping: bool,
+    with_unique_rows: bool,
+) -> PackedBuffers:
+    """Lay `pairs` (in buffer order, see `MergedPairs`) out in the static buffers.
+
+    If a SparseCore's entries overflow its segment, filling stops at the segment end (later
+    partitions get no entries, their row pointers equal the segment length) and the raw ids not
+    written are counted -- only with `allow_id_dropping`; otherwise `BufferOverflowError`.
+    """
+    n = stack.num_sparsecores
+    per_device = sizes.sparsecores_per_device
+    segment = sizes.coo_buffer_size_per_sparsecore
+    kept = pairs.kept_per_bucket
+    rounded = (kept + 7) & ~7
+    starts = np.cumsum(rounded, axis=1) - rounded
+    ends = starts + kept
+    first = exclusive_cumsum(kept.reshape(-1)).reshape(kept.shape)
+    if ends[:, -1].max(initial=0) > segment:
+        needed = starts[:, -1] + rounded[:, -1]
+        if not allow_id_dropping:
+            device, sparsecore = divmod(int(np.argmax(needed)), per_device)
+            raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
+        starts, ends = np.minimum(starts, segment), np.minimum(ends, segment)
+        rank = np.arange(len(pairs.bucket)) - first.reshape(-1)[pairs.bucket]
+        pairs = select_pairs(pairs, rank < (ends - starts).reshape(-1)[pairs.bucket])
+        kept = pairs.kept_per_bucket
+        first = exclusive_cumsum(kept.reshape(-1)).reshape(kept.shape)
+    segment_starts = np.arange(len(kept))[:, None] * segment
+    offsets = (segment_starts + starts - first).reshape(-1)
+    slots = np.arange(len(pairs.bucket)) + offsets[pairs.bucket]
+    total = local_devices * sizes.coo_buffer_size_per_device
+    embedding_ids = np.full(total, PAD_ID, dtype=np.int32)
+    sample_ids = np.full(total, PAD_ID, dtype=np.int32)
+    gains = np.full(total, np.nan, dtype=np.float32)
+    embedding_ids[slots] = pairs.embedding_id
+    sample_ids[slots] = pairs.sample
+    gains[slots] = pairs.gain
+    row_pointers = np.empty((len(kept), sizes.row_pointers_per_sparsecore), np.int32)
+    row_pointers[:, :n] = ends
+    row_pointers[:, n:] = (ends[:, -1:] + 7) & ~7
+    unique = None
+    if with_unique_rows:
+        unique = _unique_rows(pairs, slots, n, sizes, local_devices, stack.rows_per_shard)
+    return PackedBuffers(
+        row_pointers=row_pointers.reshape(local_devices, -1),
+        embedding_ids=embedding_ids.reshape(local_devices, -1),
+        sample_ids=sample_ids.reshape(local_devices, -1),
+        gains=gains.reshape(local_devices, -1),
+        unique=unique,
+        dropped_ids=pairs.dropped_ids,
+    )

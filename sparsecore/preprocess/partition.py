@@ -1,0 +1,282 @@
+"""Group one stack's ids by (SparseCore, partition), merge duplicates, count, and apply limits.
+
+Every id of a stack arrives in input order with the key
+`((local device * N + partition) * rows_per_shard + embedding id) * S + SparseCore`, its
+SparseCore-local sample id and its gain. Two stable sorts give the buffer order:
+
+1. by key: ids of one (device, partition, row) become adjacent -- one group per row a device
+   looks up in a partition (the unique-row side-car reads these groups) -- and, inside, ids of one
+   SparseCore stay in input order, which is ascending sample order. Duplicate (sample, column)
+   pairs are therefore adjacent runs; their gains are summed in input order in float32, as the
+   reference does;
+2. of the merged pairs by bucket (local SparseCore * N + partition), which yields the order of
+   the buffers: SparseCore, partition, embedding id, sample.
+
+Stats and per-pair ranks follow; the stack's limits then raise `PartitionLimitError` or, with
+dropping allowed, drop the pairs past them, counting every raw id dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsecore.layout import StackedTable
+
+__all__ = ["MergedPairs", "PartitionLimitError", "merge_pairs", "stable_argsort"]
+
+_DIGIT_BITS = 16
+
+
+def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
+    """Stable argsort of non-negative integer keys below `bound`.
+
+    Least-significant-digit radix sort on 16-bit digits: NumPy sorts 16-bit keys stably in
+    linear time, several times faster than its comparison sort of int64 keys.
+    """
+    order: np.ndarray | None = None
+    shift = 0
+    while True:
+        digits = keys if order is None else keys[order]
+        if shift:
+            digits = digits >> shift
+        digit_order = np.argsort((digits & 0xFFFF).astype(np.uint16), kind="stable")
+        order = digit_order if order is None else order[digit_order]
+        shift += _DIGIT_BITS
+        if bound <= 1 << shift:
+            return order
+
+
+def first_of_runs(values: np.ndarray) -> np.ndarray:
+    """Boolean mask of elements that differ from their predecessor (the first is always True)."""
+    first = np.ones(len(values), dtype=bool)
+    np.not_equal(values[1:], values[:-1], out=first[1:])
+    return first
+
+
+def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+    return np.cumsum(counts) - counts
+
+
+class PartitionLimitError(ValueError):
+    """More ids (or unique ids) for one partition than the stack allows, with dropping off."""
+
+    def __init__(
+        self,
+        stack: StackedTable,
+        limit: str,
+        observed: int,
+        configured: int,
+        device: int,
+        sparsecore: int,
+        partition: int,
+        features: tuple[str, ...],
+    ) -> None:
+        self.stack, self.limit = stack.name, limit
+        self.observed, self.configured = observed, configured
+        self.device, self.sparsecore, self.partition = device, sparsecore, partition
+        self.features = features
+        super().__init__(
+            f"Observed {limit} {observed} for stacked table {stack.name!r} (tables "
+            f"{', '.join(stack.table_names)}; features {', '.join(features)}) on local device "
+            f"{device}, SparseCore {sparsecore}, partition {partition} is greater than the "
+            f"configured {limit} {configured}. Enable allow_id_dropping, or raise the limit "
+            "(update_limits gives limits from observed stats)."
+        )
+
+
+@dataclass(frozen=True)
+class MergedPairs:
+    """Distinct (sample, column) pairs of one stack in buffer order (local SparseCore,
+    partition, embedding id, sample), after the limits.
+
+    `bucket` = local SparseCore * N + partition. `row_group` numbers the distinct (device,
+    partition, embedding id) of each pair in ascending order; `row_group_key[g]` is group g's
+    `(device * N + partition) * rows_per_shard + embedding id`. `ids_per_bucket` /
+    `unique_per_bucket` count pairs / distinct columns per bucket BEFORE dropping ([L*S, N]);
+    `kept_per_bucket` counts the pairs that remain; `dropped_ids` counts raw ids dropped.
+    """
+
+    bucket: np.ndarray
+    embedding_id: np.ndarray
+    sample: np.ndarray
+    gain: np.ndarray
+    count: np.ndarray
+    row_group: np.ndarray
+    row_group_key: np.ndarray
+    ids_per_bucket: np.ndarray
+    unique_per_bucket: np.ndarray
+    kept_per_bucket: np.ndarray
+    table_ids_max: tuple[int, ...]
+    table_unique_max: tuple[int, ...]
+    dropped_ids: int
+
+
+def _table_maxima(
+    stack: StackedTable,
+    bucket: np.ndarray,
+    embedding_id: np.ndarray,
+    new_column: np.ndarray,
+    ids_per_bucket: np.ndarray,
+    unique_per_bucket: np.ndarray,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Largest per-(SparseCore, partition) pair and column counts of each table of the stack."""
+    num_tables = len(stack.tables)
+    if num_tables == 1:
+        return (int(ids_per_bucket.max(initial=0)),), (int(unique_per_bucket.max(initial=0)),)
+    starts = np.array([t.row_offset_in_shard for t in stack.tables])
+    key = bucket * num_tables + np.searchsorted(starts, embedding_id, side="right") - 1
+    size = ids_per_bucket.size * num_tables
+    ids = np.bincount(key, minlength=size).reshape(-1, num_tables)
+    unique = np.bincount(key[new_column], minlength=size).reshape(-1, num_tables)
+    return tuple(ids.max(axis=0).tolist()), tuple(unique.max(axis=0).tolist())
+
+
+def _check_limit(
+    stack: StackedTable,
+    limit: str,
+    counts: np.ndarray,
+    configured: int,
+    sparsecores_per_device: int,
+    pair_bucket: np.ndarray,
+    pair_feature: np.ndarray,
+) -> None:
+    worst = int(np.argmax(counts))
+    observed = int(counts.flat[worst])
+    if observed <= configured:
+        return
+    local_sc, partition = divmod(worst, counts.shape[1])
+    device, sparsecore = divmod(local_sc, sparsecores_per_device)
+    features = np.unique(pair_feature[pair_bucket == worst])
+    names = tuple(stack.features[f].feature.name for f in features)
+    raise PartitionLimitError(
+        stack, limit, observed, configured, device, sparsecore, partition, names
+    )
+
+
+def _merge_runs(
+    keys: np.ndarray, samples: np.ndarray, gains: np.ndarray | None, bound: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sort by key; return the first id of each (key, sample) run in sorted order, the run
+    lengths, merged gains, the new-column flag of each run, and the sorted keys and samples."""
+    order = stable_argsort(keys, bound)
+    sorted_keys = keys[order]
+    sorted_samples = samples[order]
+    new_column = first_of_runs(sorted_keys)
+    new_pair = new_column | first_of_runs(sorted_samples)
+    starts = np.flatnonzero(new_pair)
+    count = np.empty(len(starts), dtype=np.int64)
+    np.subtract(starts[1:], starts[:-1], out=count[:-1])
+    count[-1:] = len(keys) - starts[-1:]
+    if gains is None:
+        gain = count.astype(np.float32)
+    elif len(starts) == len(keys):
+        gain = gains[order]
+    else:
+        gain = np.zeros(len(starts), dtype=np.float32)
+        np.add.at(gain, np.cumsum(new_pair) - 1, gains[order])
+    return order, starts, count, gain, new_column[starts], sorted_keys, sorted_samples
+
+
+def merge_pairs(
+    stack: StackedTable,
+    keys: np.ndarray,
+    samples: np.ndarray,
+    gains: np.ndarray | None,
+    feature_starts: np.ndarray,
+    local_devices: int,
+    sparsecores_per_device: int,
+    allow_id_dropping: bool,
+    with_row_groups: bool = True,
+) -> MergedPairs:
+    """Sort, merge and count one stack's ids, then enforce its limits (see module docstring).
+
+    `feature_starts[f]` is where feature f's ids start in the inputs (to name it in errors).
+    `with_row_groups=False` skips the (device, partition, row) groups (`row_group` is then
+    empty), which only the unique-row side-car needs.
+    """
+    n, rows, per_device = stack.num_sparsecores, stack.rows_per_shard, sparsecores_per_device
+    sc_bits, n_bits = per_device.bit_length() - 1, n.bit_length() - 1
+    local_scs = local_devices * per_device
+    order, starts, count, gain, new_column, sorted_keys, sorted_samples = _merge_runs(
+        keys, samples, gains, local_devices * n * rows * per_device
+    )
+    pair_keys = sorted_keys[starts]
+    column_keys = pair_keys >> sc_bits
+    device_partition = column_keys // rows
+    embedding_id = column_keys - device_partition * rows
+    local_sc = (device_partition >> n_bits << sc_bits) | (pair_keys & (per_device - 1))
+    bucket = (local_sc << n_bits) | (device_partition & (n - 1))
+    buckets = local_scs * n
+    ids_per_bucket = np.bincount(bucket, minlength=buckets)
+    unique_per_bucket = np.bincount(bucket, new_column, minlength=buckets).astype(np.int64)
+    row_group = row_group_key = np.zeros(0, dtype=np.int64)
+    if with_row_groups:
+        new_group = first_of_runs(column_keys)
+        row_group = np.cumsum(new_group) - 1
+        row_group_key = column_keys[new_group]
+    if per_device > 1:
+        by_bucket = stable_argsort(bucket, buckets)
+        starts, count, gain = starts[by_bucket], count[by_bucket], gain[by_bucket]
+        new_column, embedding_id = new_column[by_bucket], embedding_id[by_bucket]
+        row_group = row_group[by_bucket] if with_row_groups else row_group
+        bucket = np.repeat(np.arange(buckets), ids_per_bucket)
+    ids_per_bucket = ids_per_bucket.reshape(local_scs, n)
+    unique_per_bucket = unique_per_bucket.reshape(local_scs, n)
+    table_ids_max, table_unique_max = _table_maxima(
+        stack, bucket, embedding_id, new_column, ids_per_bucket, unique_per_bucket
+    )
+    keep = None
+    if not allow_id_dropping:
+        for limit, counts, configured in (
+            ("max_ids_per_partition", ids_per_bucket, stack.max_ids_per_partition),
+            ("max_unique_ids_per_partition", unique_per_bucket, stack.max_unique_ids_per_partition),
+        ):
+            if counts.max(initial=0) > configured:
+                pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
+                _check_limit(stack, limit, counts, configured, per_device, bucket, pair_feature)
+    elif (ids_per_bucket > stack.max_ids_per_partition).any() or (
+        unique_per_bucket > stack.max_unique_ids_per_partition
+    ).any():
+        rank = np.arange(len(bucket)) - exclusive_cumsum(ids_per_bucket.reshape(-1))[bucket]
+        first_column = exclusive_cumsum(unique_per_bucket.reshape(-1))[bucket]
+        column_rank = np.cumsum(new_column) - 1 - first_column
+        keep = rank < stack.max_ids_per_partition
+        keep &= column_rank < stack.max_unique_ids_per_partition
+    pairs = MergedPairs(
+        bucket=bucket,
+        embedding_id=embedding_id,
+        sample=sorted_samples[starts],
+        gain=gain,
+        count=count,
+        row_group=row_group,
+        row_group_key=row_group_key,
+        ids_per_bucket=ids_per_bucket,
+        unique_per_bucket=unique_per_bucket,
+        kept_per_bucket=ids_per_bucket,
+        table_ids_max=table_ids_max,
+        table_unique_max=table_unique_max,
+        dropped_ids=0,
+    )
+    return pairs if keep is None else select_pairs(pairs, keep)
+
+
+def select_pairs(pairs: MergedPairs, keep: np.ndarray) -> MergedPairs:
+    """Only the pairs where `keep` holds; the rest are counted as dropped ids."""
+    kept = np.bincount(pairs.bucket[keep], minlength=pairs.kept_per_bucket.size)
+    return MergedPairs(
+        bucket=pairs.bucket[keep],
+        embedding_id=pairs.embedding_id[keep],
+        sample=pairs.sample[keep],
+        gain=pairs.gain[keep],
+        count=pairs.count[keep],
+        row_group=pairs.row_group[keep] if len(pairs.row_group) else pairs.row_group,
+        row_group_key=pairs.row_group_key,
+        ids_per_bucket=pairs.ids_per_bucket,
+        unique_per_bucket=pairs.unique_per_bucket,
+        kept_per_bucket=kept.reshape(pairs.kept_per_bucket.shape),
+        table_ids_max=pairs.table_ids_max,
+        table_unique_max=pairs.table_unique_max,
+        dropped_ids=pairs.dropped_ids + int(pairs.count[~keep].sum()),
+    )

@@ -1,0 +1,217 @@
+"""One feature's ragged ids for this host, validated and expanded to per-id SparseCore coordinates.
+
+`RaggedIds` is the input container (values + lengths or offsets, optional weights; int32 or
+int64 ids, float32 or float64 weights, all read with their real dtype). `expand_feature` checks
+it against its `FeaturePlacement` and returns, for every id in input order, the stack key
+`((local device * N + partition) * rows_per_shard + embedding id) * S + SparseCore`, the
+SparseCore-local sample id and the combiner gain. Every check names the feature and the
+offending value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsecore.layout import FeaturePlacement, StackedTable
+from sparsecore.preprocess.gains import combiner_gains
+from sparsecore.topology import Topology
+
+__all__ = ["RaggedIds", "FeatureCoordinates", "expand_feature"]
+
+
+@dataclass(frozen=True)
+class RaggedIds:
+    """Ids of one feature for this host's samples: `values` of all samples concatenated, split by
+    `lengths` (ids per sample) or `offsets` (sample b is values[offsets[b]:offsets[b+1]]),
+    with optional per-id `weights`. Give exactly one of `lengths` and `offsets`."""
+
+    values: np.ndarray
+    lengths: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if (self.lengths is None) == (self.offsets is None):
+            raise ValueError("RaggedIds needs exactly one of `lengths` and `offsets`")
+        for field in ("values", "lengths", "offsets", "weights"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, np.asarray(value))
+
+    @classmethod
+    def from_dense(cls, ids: np.ndarray, weights: np.ndarray | None = None) -> RaggedIds:
+        """Every sample has the same number of ids: a [batch, width] array."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2:
+            raise ValueError(
+                f"RaggedIds.from_dense expects [batch, width] ids, got shape {ids.shape}"
+            )
+        lengths = np.full(ids.shape[0], ids.shape[1], dtype=np.int64)
+        flat_weights = None if weights is None else np.asarray(weights).reshape(-1)
+        return cls(ids.reshape(-1), lengths=lengths, weights=flat_weights)
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None
+    ) -> RaggedIds:
+        """One array of ids per sample (and of weights, if given); dtypes are kept."""
+        rows = [np.asarray(r).reshape(-1) for r in rows]
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        values = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+        flat_weights = None
+        if weights is not None:
+            weights = [np.asarray(w).reshape(-1) for w in weights]
+            flat_weights = np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32)
+        return cls(values, lengths=lengths, weights=flat_weights)
+
+
+@dataclass(frozen=True)
+class FeatureCoordinates:
+    """Per id of one feature, in input order: stack key (see module docstring), SparseCore-local
+    sample id, gain (None: all 1)."""
+
+    keys: np.ndarray
+    samples: np.ndarray
+    gains: np.ndarray | None
+
+
+def _lengths(name: str, ids: RaggedIds, num_samples: int) -> np.ndarray:
+    num_values = ids.values.shape[0]
+    if ids.offsets is not None:
+        offsets = ids.offsets
+        if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+            raise ValueError(
+                f"feature {name!r}: offsets must be a 1-D integer array, "
+                f"got {offsets.dtype}{offsets.shape}"
+            )
+        if len(offsets) != num_samples + 1:
+            raise ValueError(
+                f"feature {name!r}: expected {num_samples + 1} offsets for {num_samples} "
+                f"samples on this host, got {len(offsets)}"
+            )
+        if offsets[0] != 0 or offsets[-1] != num_values:
+            raise ValueError(
+                f"feature {name!r}: offsets must run from 0 to the {num_values} values, "
+                f"got {int(offsets[0])}..{int(offsets[-1])}"
+            )
+        lengths = np.diff(offsets.astype(np.int64))
+    else:
+        lengths = ids.lengths
+        if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(
+                f"feature {name!r}: lengths must be a 1-D integer array, "
+                f"got {lengths.dtype}{lengths.shape}"
+            )
+        if len(lengths) != num_samples:
+            raise ValueError(
+                f"feature {name!r}: expected {num_samples} samples on this host, "
+                f"got {len(lengths)} lengths"
+            )
+        lengths = lengths.astype(np.int64)
+    negative = np.flatnonzero(lengths < 0)
+    if len(negative):
+        raise ValueError(
+            f"feature {name!r}: sample {int(negative[0])} has negative length "
+            f"{int(lengths[negative[0]])}"
+        )
+    if ids.offsets is None and lengths.sum() != num_values:
+        raise ValueError(
+            f"feature {name!r}: lengths sum to {int(lengths.sum())} but there are "
+            f"{num_values} values"
+        )
+    return lengths
+
+
+def _check_values(name: str, ids: RaggedIds, vocabulary_size: int, table: str) -> np.ndarray:
+    values = ids.values
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(
+            f"feature {name!r}: ids must be a 1-D integer array, got {values.dtype}{values.shape}"
+        )
+    if len(values) and (values.min() < 0 or values.max() >= vocabulary_size):
+        bad = np.flatnonzero((values < 0) | (values >= vocabulary_size))[0]
+        raise ValueError(
+            f"feature {name!r}: id {int(values[bad])} (position {int(bad)}) is outside the "
+            f"vocabulary [0, {vocabulary_size}) of table {table!r}"
+        )
+    return values.astype(np.int64)
+
+
+def _check_weights(name: str, ids: RaggedIds) -> np.ndarray | None:
+    weights = ids.weights
+    if weights is None:
+        return None
+    if weights.shape != ids.values.shape or not np.issubdtype(weights.dtype, np.floating):
+        raise ValueError(
+            f"feature {name!r}: weights must be floats shaped like the ids {ids.values.shape}, "
+            f"got {weights.dtype}{weights.shape}"
+        )
+    weights = weights.astype(np.float32)
+    if not np.isfinite(weights).all():
+        bad = np.flatnonzero(~np.isfinite(weights))[0]
+        raise ValueError(
+            f"feature {name!r}: weight {weights[bad]} at position {int(bad)} is not finite"
+        )
+    return weights
+
+
+def _row_coordinates(
+    rows: np.ndarray, placement: FeaturePlacement, stack: StackedTable, topology: Topology
+) -> tuple[np.ndarray, np.ndarray]:
+    """For output rows of one feature on this host: the part of the stack key that depends on
+    the row (device * N * rows_per_shard * S + SparseCore) and the SparseCore-local sample id."""
+    per_device = topology.sparsecores_per_device
+    local_sc = rows // placement.samples_per_sparsecore
+    sample = rows - local_sc * placement.samples_per_sparsecore
+    sample += placement.sample_offset_in_sparsecore
+    device_stride = topology.num_sparsecores * stack.rows_per_shard * per_device
+    device = local_sc >> (per_device.bit_length() - 1)
+    row_keys = device * device_stride + (local_sc & (per_device - 1))
+    return row_keys, sample.astype(np.int32)
+
+
+def _sequence_rows(name: str, lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:
+    """Output row of every id of a sequence feature: sample * M + position in the sample."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > max_sequence_length:
+        raise ValueError(
+            f"feature {name!r}: sample {int(np.argmax(lengths))} has {longest} ids, more than its "
+            f"max_sequence_length {max_sequence_length}"
+        )
+    starts = np.cumsum(lengths) - lengths
+    positions = np.arange(lengths.sum(), dtype=np.int64) - np.repeat(starts, lengths)
+    samples = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    return samples * max_sequence_length + positions
+
+
+def expand_feature(
+    placement: FeaturePlacement, stack: StackedTable, ids: RaggedIds, topology: Topology
+) -> FeatureCoordinates:
+    """Validate one feature's host-local input and map every id to its SparseCore coordinates.
+
+    The host holds `batch * L / G` samples; local SparseCore c (device c // S) gets the slice of
+    rows [c * q, (c + 1) * q) with q = `samples_per_sparsecore`. Weights are rounded to float32.
+    """
+    feature = placement.feature
+    name = feature.name
+    n = topology.num_sparsecores
+    num_samples = feature.batch_size * topology.local_device_count // topology.global_device_count
+    lengths = _lengths(name, ids, num_samples)
+    table = stack.tables[placement.table_index]
+    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
+    weights = _check_weights(name, ids)
+    if feature.is_sequence:
+        row_keys, samples = _row_coordinates(
+            _sequence_rows(name, lengths, feature.max_sequence_length), placement, stack, topology
+        )
+    else:
+        row_keys, samples = _row_coordinates(np.arange(num_samples), placement, stack, topology)
+        row_keys, samples = np.repeat(row_keys, lengths), np.repeat(samples, lengths)
+    column = ((values + placement.col_shift) & (n - 1)) * stack.rows_per_shard
+    column += (values >> (n.bit_length() - 1)) + table.row_offset_in_shard
+    keys = column * topology.sparsecores_per_device + row_keys
+    gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
+    return FeatureCoordinates(keys, samples, gains)

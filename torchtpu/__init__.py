@@ -7,7 +7,7 @@ the `tpu` device, the `torch.tpu` module and the `tpu_dist` process-group backen
 from __future__ import annotations
 
 from torchtpu import device as _device
-from torchtpu import metrics as _metrics
+from torchtpu import counters as _counters
 from torchtpu.exec import modes as _modes
 from torchtpu.precision import precision as matmul_precision
 from torchtpu.precision import set_mode as set_matmul_precision
@@ -26,11 +26,11 @@ get_eager_mode = _modes.current
 
 def metrics() -> dict:
     """Counters of the executors: programs compiled, cache hits, fallbacks, flushes, ..."""
-    return _metrics.snapshot()
+    return _counters.snapshot()
 
 
 def reset_metrics() -> None:
-    _metrics.reset()
+    _counters.reset()
 
 
 __all__ = [

@@ -1,15 +1,328 @@
-"""DeferAndFuse: record ops, fuse everything pending into one XLA program when a value is needed."""
+"""DeferAndFuse: eager semantics, fused execution.
+
+In `defer` mode an ATen call is recorded, not run. Its outputs are promises (`Pending`) whose
+shape and dtype are known at once (PyTorch's meta kernel ran when the call was recorded, so a
+shape or dtype error is raised at the line that caused it). A storage that an op mutates gets a
+promise for its new contents; later ops read that promise, so program order -- and with it every
+in-place and view semantic of strict mode -- is kept.
+
+When a value is needed (a host read: `.item()`, `.cpu()`, `print`, `torch.save`, a tensor used as
+a bool or an index, a data-dependent op; `torch.tpu.synchronize()`; a mode change; or the pending
+graph reaching its size cap), everything pending is traced into ONE XLA computation: the ops'
+own Programs (the same ones strict mode jits one by one) composed in order. Its outputs are the
+promises still referenced by live storages; everything else is an intermediate XLA may fuse away.
+Input buffers that no live storage holds any more are donated.
+
+The fused computation is cached by the structure of the pending graph (each op's compile key,
+how inputs and outputs are wired, which buffers are donated), so a steady training loop replays
+the same executable every step. `TORCHTPU_LOG_RECOMPILES=1` prints, for each new compile, how the
+graph differs from the nearest cached one.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from torchtpu import counters, dtypes, runtime
+from torchtpu.exec import eager, opcall
+from torchtpu.storage import DeviceBuffer, new_tensor
+
+MAX_PENDING_OPS = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "2048"))
+
+
+class Pending:
+    """A promise: output `index` of node `node` of the pending graph."""
+
+    __slots__ = ("graph", "node", "index", "shape", "dtype")
+
+    def __init__(self, graph: "_Graph", node: int, index: int, shape, dtype) -> None:
+        self.graph = graph
+        self.node = node
+        self.index = index
+        self.shape = shape
+        self.dtype = dtype
+
+
+@dataclass
+class _Node:
+    program: opcall.Program
+    wiring: tuple  # per program input: ("in", i) or ("node", n, k)
+    dynamic: tuple[int, ...]  # indices of this node's dynamic values among the graph inputs
+
+
+@dataclass
+class _Graph:
+    nodes: list[_Node] = field(default_factory=list)
+    inputs: list[Any] = field(default_factory=list)  # concrete arrays and dynamic values
+    input_ids: dict[int, int] = field(default_factory=dict)  # id(array) -> input index
+    input_owner: dict[int, Any] = field(default_factory=dict)  # input index -> weakref(buffer)
+    owners: list[Any] = field(default_factory=list)  # weakrefs of buffers holding promises
+    devices: set = field(default_factory=set)
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.graph = _Graph()
+        self.flushing = False
+
+
+_state = _State()
+_executables: dict[tuple, Callable[..., Any]] = {}
+_recent_keys: list[tuple] = []
+
+
+def pending_ops() -> int:
+    return len(_state.graph.nodes)
+
+
+def _input(graph: _Graph, array, owner: DeviceBuffer | None) -> int:
+    index = graph.input_ids.get(id(array))
+    if index is None:
+        index = len(graph.inputs)
+        graph.inputs.append(array)
+        graph.input_ids[id(array)] = index
+        if owner is not None:
+            graph.input_owner[index] = weakref.ref(owner)
+    return index
+
+
+def record(call: opcall.Call) -> Any:
+    """Record one call; return its result with promises in place of values."""
+    graph = _state.graph
+    program = opcall.program_for(call)
+    _check_traceable(call, program)
+    buffers = call.buffers
+    wiring = []
+    for storage in program.inputs:
+        buffer = buffers[storage]
+        value = buffer.value
+        if isinstance(value, Pending):
+            if value.graph is not graph:
+                raise RuntimeError("internal error: a promise from a flushed graph is still referenced")
+            wiring.append(("node", value.node, value.index))
+        else:
+            wiring.append(("in", _input(graph, value, buffer)))
+    dynamic = []
+    for value in call.dynamic:
+        dynamic.append(len(graph.inputs))
+        graph.inputs.append(np.asarray(value) if not isinstance(value, np.ndarray) else value)
+    node_index = len(graph.nodes)
+    graph.nodes.append(_Node(program, tuple(wiring), tuple(dynamic)))
+    graph.devices.add(call.device)
+    counters.count("defer_ops_recorded")
+
+    shapes = _output_avals(call, program)
+    n_written = len(program.written)
+    for i, storage in enumerate(program.written):
+        buffer = buffers[storage]
+        buffer.value = Pending(graph, node_index, i, *shapes[i])
+        graph.owners.append(weakref.ref(buffer))
+    new = []
+    for j, spec in enumerate(program.new):
+        promise = Pending(graph, node_index, n_written + j, *shapes[n_written + j])
+        buffer = DeviceBuffer(spec.dtype, spec.numel, call.device, promise)
+        graph.owners.append(weakref.ref(buffer))
+        new.append(new_tensor(buffer, spec.sizes, spec.strides))
+    n_host = len(shapes) - n_written - len(program.new)
+    host = []
+    if n_host:
+        flush("host value")
+        host = [np.asarray(v).item() for v in _host_values(node_index)]
+    result = opcall.assemble(program.result, call, new, host)
+    if len(graph.nodes) >= MAX_PENDING_OPS and not n_host:
+        flush("size cap")
+    return result
+
+
+_host_results: dict[int, list] = {}
+
+
+def _host_values(node_index: int) -> list:
+    return _host_results.pop(node_index, [])
+
+
+_avals: dict[tuple, list] = {}
+
+
+def _output_avals(call: opcall.Call, program: opcall.Program) -> list:
+    """(shape, dtype) of each program output, from the storages and tensors it writes."""
+    avals = _avals.get(call.key)
+    if avals is None:
+        avals = []
+        storages = call.key[3]
+        for storage in program.written:
+            spec = storages[storage]
+            avals.append(((spec.numel,), dtypes.to_jax(spec.dtype)))
+        for spec in program.new:
+            avals.append(((spec.numel,), dtypes.to_jax(spec.dtype)))
+        n_host = _count_host(program.result)
+        avals.extend([((), None)] * n_host)
+        _avals[call.key] = avals
+    return avals
+
+
+def _count_host(template) -> int:
+    if template[0] == "host":
+        return 1
+    if template[0] in ("tuple", "list"):
+        return sum(_count_host(t) for t in template[1])
+    return 0
+
+
+_traced_keys: set[tuple] = set()
+
+
+def _check_traceable(call: opcall.Call, program: opcall.Program) -> None:
+    """Trace a new program abstractly once, so a lowering error is raised at the op's line."""
+    if call.key in _traced_keys:
+        return
+    import jax
+
+    storages = call.key[3]
+    avals = [
+        jax.ShapeDtypeStruct((storages[i].numel,), dtypes.to_jax(storages[i].dtype))
+        for i in program.inputs
+    ]
+    avals += [jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for v in call.dynamic]
+    jax.eval_shape(program.fn, *avals)
+    _traced_keys.add(call.key)
+
+
+def materialize(buffer: DeviceBuffer, reason: str) -> None:
+    """Make `buffer.value` concrete (flushing the pending graph if it is a promise)."""
+    if isinstance(buffer.value, Pending):
+        flush(reason)
+
+
+def forget(buffer: DeviceBuffer) -> None:
+    """The buffer's contents are about to be replaced from the host: its promise is moot."""
+
 
 def flush(reason: str) -> None:
-    """Run everything pending."""
+    """Compile (or reuse) and run everything pending as one XLA computation."""
+    graph = _state.graph
+    if not graph.nodes or _state.flushing:
+        return
+    _state.flushing = True
+    try:
+        _state.graph = _Graph()
+        _run(graph, reason)
+    finally:
+        _state.flushing = False
 
 
-def materialize(buffer, reason: str) -> None:
-    """Make `buffer.value` a concrete array."""
+def _run(graph: _Graph, reason: str) -> None:
+    import jax
+
+    counters.count("defer_flushes")
+    counters.count_op("defer_flush_reasons", reason)
+    live: list[tuple[DeviceBuffer, Pending]] = []
+    seen: set[int] = set()
+    for ref in graph.owners:
+        buffer = ref()
+        if buffer is None or id(buffer) in seen:
+            continue
+        value = buffer.value
+        if isinstance(value, Pending) and value.graph is graph:
+            seen.add(id(buffer))
+            live.append((buffer, value))
+    host_nodes = [i for i, node in enumerate(graph.nodes) if _count_host(node.program.result)]
+    outputs = tuple(dict.fromkeys((p.node, p.index) for _, p in live))
+    host_outputs = tuple(
+        (i, len(graph.nodes[i].program.written) + len(graph.nodes[i].program.new) + k)
+        for i in host_nodes
+        for k in range(_count_host(graph.nodes[i].program.result))
+    )
+    donate = tuple(
+        i for i, owner in graph.input_owner.items()
+        if (owner() is None or owner().value is not graph.inputs[i])
+    )
+    if len(graph.devices) > 1:
+        raise RuntimeError(
+            f"defer mode: one pending graph touches several devices {sorted(graph.devices)}; "
+            "flush (torch.tpu.synchronize()) before moving work to another device"
+        )
+    device = next(iter(graph.devices))
+    structure = tuple((node.program.key, node.wiring, node.dynamic) for node in graph.nodes)
+    key = (structure, outputs, host_outputs, donate, device, len(graph.inputs))
+    executable = _executables.get(key)
+    if executable is None:
+        start = time.perf_counter()
+        executable = _compile(graph, outputs + host_outputs, donate, device)
+        _executables[key] = executable
+        counters.count("defer_compiles")
+        _log_recompile(key)
+        results = executable(*graph.inputs)
+        counters.add_time("defer_compile", time.perf_counter() - start)
+    else:
+        counters.count("defer_cache_hits")
+        results = executable(*graph.inputs)
+    position = {ref: k for k, ref in enumerate(outputs)}
+    for buffer, promise in live:
+        buffer.value = results[position[(promise.node, promise.index)]]
+    for k, (node_index, _) in enumerate(host_outputs):
+        _host_results.setdefault(node_index, []).append(results[len(outputs) + k])
 
 
-def forget(buffer) -> None:
-    """`buffer` is about to be overwritten from the host: drop its pending value."""
+def _compile(graph: _Graph, outputs: tuple, donate: tuple, device: int):
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    nodes = [(node.program.fn, node.wiring, node.dynamic) for node in graph.nodes]
+
+    def fused(*inputs):
+        env: dict[tuple[int, int], Any] = {}
+        for n, (fn, wiring, dynamic) in enumerate(nodes):
+            args = [inputs[w[1]] if w[0] == "in" else env[(w[1], w[2])] for w in wiring]
+            args += [inputs[d] for d in dynamic]
+            for k, out in enumerate(fn(*args)):
+                env[(n, k)] = out
+        return tuple(env[ref] for ref in outputs)
+
+    return jax.jit(
+        fused,
+        donate_argnums=donate,
+        out_shardings=SingleDeviceSharding(runtime.jax_device(device)),
+    )
+
+
+def _log_recompile(key: tuple) -> None:
+    if os.environ.get("TORCHTPU_LOG_RECOMPILES", "0") in ("", "0"):
+        _recent_keys.append(key)
+        return
+    print(f"[torchtpu] defer: compiling a new graph of {len(key[0])} ops; "
+          + describe_difference(key, _recent_keys), file=sys.stderr)
+    _recent_keys.append(key)
+
+
+def describe_difference(key: tuple, previous: list[tuple]) -> str:
+    """How `key` differs from the most similar earlier graph (for the recompile log)."""
+    if not previous:
+        return "first graph"
+    structure = key[0]
+
+    def distance(other):
+        s = other[0]
+        return sum(1 for a, b in zip(structure, s) if a != b) + abs(len(structure) - len(s))
+
+    nearest = min(previous, key=distance)
+    other = nearest[0]
+    if len(other) != len(structure):
+        return f"nearest cached graph has {len(other)} ops instead of {len(structure)}"
+    for position, (a, b) in enumerate(zip(structure, other)):
+        if a == b:
+            continue
+        (op_a, *_), (op_b, *_) = a[0], b[0]
+        if op_a != op_b:
+            return f"op {position} is {op_a} instead of {op_b}"
+        return f"op {position} ({op_a}): " + opcall.describe_key_difference(a[0], b[0])
+    return "same ops; different outputs, donation or inputs"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from torchtpu import metrics, runtime
+from torchtpu import counters, runtime
 from torchtpu.exec import modes, opcall
 from torchtpu.storage import DeviceBuffer, new_tensor
 
@@ -42,7 +42,7 @@ def _compile(call: opcall.Call) -> Executable:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    program = opcall.build(call)
+    program = opcall.program_for(call)
     donate = tuple(pos for pos, storage in enumerate(program.inputs) if storage in program.written)
     device = runtime.jax_device(call.device)
     jitted = jax.jit(
@@ -50,8 +50,8 @@ def _compile(call: opcall.Call) -> Executable:
         donate_argnums=donate,
         out_shardings=SingleDeviceSharding(device),
     )
-    metrics.count("eager_programs")
-    metrics.count_op("eager_programs_by_op", str(call.op))
+    counters.count("eager_programs")
+    counters.count_op("eager_programs_by_op", str(call.op))
     exe = Executable(program, jitted, len(program.written), len(program.new))
     _cache[call.key] = exe
     return exe
@@ -69,7 +69,7 @@ def run(call: opcall.Call) -> Any:
     inputs = [buffers[i].value for i in program.inputs]
     outs = exe.jitted(*inputs, *call.dynamic)
     if compiled_now:
-        metrics.add_time("eager_compile", time.perf_counter() - start)
+        counters.add_time("eager_compile", time.perf_counter() - start)
     if modes.current() == "debug":
         import jax
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from torchtpu import metrics
+from torchtpu import counters
 from torchtpu.exec import eager, memory, modes, opcall
 from torchtpu.ops import decomps, registry
 from torchtpu.ops.schema import functional_variant, signature
@@ -93,7 +93,7 @@ def fallback(op: OpOverload, *args, **kwargs) -> Any:
         return execute(op, args, kwargs)
     decomposition = decomps.get(op)
     if decomposition is not None:
-        metrics.count_op("decomposed_ops", str(op))
+        counters.count_op("decomposed_ops", str(op))
         if op in _decomposing.ops:
             raise RuntimeError(
                 f"the decomposition of {op} calls {op} again on tpu tensors: it needs a lowering"
@@ -122,8 +122,8 @@ def cpu_fallback(op: OpOverload, args: tuple, kwargs: dict) -> Any:
             f"{name} has no tpu lowering or decomposition, and TORCHTPU_STRICT_OPS=1 forbids "
             f"running it through the CPU fallback"
         )
-    metrics.count("cpu_fallback_calls")
-    metrics.count_op("cpu_fallback_ops", name)
+    counters.count("cpu_fallback_calls")
+    counters.count_op("cpu_fallback_ops", name)
     if name not in _warned:
         _warned.add(name)
         warnings.warn(

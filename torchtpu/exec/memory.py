@@ -121,6 +121,17 @@ def local_scalar_dense(t: torch.Tensor):
 # --- moving data ------------------------------------------------------------------------------
 
 
+def host_to_device(array: np.ndarray, index: int):
+    """A device array holding a private copy of host memory.
+
+    On the CPU platform `jax.device_put` may alias the numpy buffer instead of copying it; the
+    caller's host memory (a CPU tensor's storage) stays mutable, so copy it first.
+    """
+    import jax
+
+    return jax.device_put(np.array(array, copy=True, order="C"), runtime.jax_device(index))
+
+
 def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous `tpu:index` tensor holding the CPU tensor `src` (converted to `dtype`)."""
     import jax
@@ -130,8 +141,7 @@ def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -
     if src.dtype != dtype:
         src = src.to(dtype)
     array = torch_to_numpy(src).reshape(-1)
-    value = jax.device_put(array, runtime.jax_device(index))
-    buffer = storage.DeviceBuffer(dtype, array.size, index, value)
+    buffer = storage.DeviceBuffer(dtype, array.size, index, host_to_device(array, index))
     return storage.new_tensor(buffer, tuple(src.shape))
 
 
@@ -145,7 +155,7 @@ def to_device(src: torch.Tensor, index: int) -> torch.Tensor:
         value = jax.device_put(_contiguous_value(src), runtime.jax_device(index))
         numel = math.prod(src.shape)
     else:
-        value = jax.device_put(array.reshape(-1), runtime.jax_device(index))
+        value = host_to_device(array.reshape(-1), index)
         numel = array.size
     buffer = storage.DeviceBuffer(src.dtype, numel, index, value)
     return storage.new_tensor(buffer, tuple(src.shape))
@@ -175,7 +185,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
                 from torchtpu.exec import deferred
 
                 deferred.forget(buffer)
-            buffer.value = jax.device_put(array, runtime.jax_device(index))
+            buffer.value = host_to_device(array, index)
             return dst
         src = from_host(src, index)
     elif src.device.index != index:

@@ -292,6 +292,17 @@ def write_tensor(flat, ref: TensorRef, value):
     return strided.reinterpret(out, flat.dtype) if out.dtype != flat.dtype else out
 
 
+_programs: dict[tuple, Program] = {}
+
+
+def program_for(call: Call) -> Program:
+    """The Program for `call.key`, built on first use and shared by every executor."""
+    program = _programs.get(call.key)
+    if program is None:
+        program = _programs[call.key] = build(call)
+    return program
+
+
 def build(call: Call) -> Program:
     """Trace-ready Program for `call.key` (runs PyTorch's meta kernel for validation)."""
     op, sig, key = call.op, call.sig, call.key
@@ -417,3 +428,25 @@ def assemble(template, call: Call, new_tensors: list, host_values: list):
         return None
     parts = [assemble(t, call, new_tensors, host_values) for t in template[1]]
     return parts if kind == "list" else tuple(parts)
+
+
+def describe_key_difference(a: tuple, b: tuple) -> str:
+    """What differs between two call keys: which argument's shape or dtype, or which static value."""
+    if a[1] != b[1]:
+        return f"matmul precision {a[1]} instead of {b[1]}"
+    if a[2] != b[2]:
+        return f"device tpu:{a[2]} instead of tpu:{b[2]}"
+    sig = signature(a[0])
+    for arg, x, y in zip(sig.args, a[4], b[4]):
+        if x == y:
+            continue
+        if isinstance(x, TensorRef) and isinstance(y, TensorRef):
+            if x.sizes != y.sizes:
+                return f"argument {arg.name!r} has shape {x.sizes} instead of {y.sizes}"
+            if x.dtype != y.dtype:
+                return f"argument {arg.name!r} has dtype {x.dtype} instead of {y.dtype}"
+            return f"argument {arg.name!r} has strides/offset {x.geometry} instead of {y.geometry}"
+        return f"argument {arg.name!r} is {x!r} instead of {y!r}"
+    if a[3] != b[3]:
+        return "the arguments' storages differ in size or initialisation"
+    return "no visible difference"

@@ -51,7 +51,7 @@ def _compile(call: opcall.Call) -> Executable:
         out_shardings=SingleDeviceSharding(device),
     )
     counters.count("eager_programs")
-    counters.count_op("eager_programs_by_op", str(call.op))
+    counters.count_op("eager_programs_by_op", str(call.key[0]))
     exe = Executable(program, jitted, len(program.written), len(program.new))
     _cache[call.key] = exe
     return exe

@@ -48,7 +48,11 @@ def execute(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     lowering = lowering_for(op)
     if lowering is None:
         raise opcall.NoLowering(str(op))
-    call = opcall.encode(op, args, kwargs, lowering)
+    return submit(opcall.encode(op, args, kwargs, lowering))
+
+
+def submit(call: opcall.Inputs) -> Any:
+    """Hand an encoded call (an op, or a compiled graph) to the current eager executor."""
     if modes.current() == "defer":
         from torchtpu.exec import deferred
 

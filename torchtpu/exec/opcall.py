@@ -80,20 +80,74 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-class Call:
-    """A call's runtime side: the buffers and values to feed its Program."""
+class Inputs:
+    """Collects the device buffers (each storage once) and runtime values of some arguments.
 
-    __slots__ = ("op", "sig", "values", "key", "buffers", "dynamic", "device", "lowering")
+    `tensor(t)` and `value(v)` return the hashable reference that stands for the argument in a
+    compile key; the buffers and values themselves are what the compiled program is fed.
+    """
+
+    __slots__ = ("buffers", "storages", "dynamic", "device", "_seen", "_what")
+
+    def __init__(self, what: object) -> None:
+        self.buffers: list[DeviceBuffer] = []
+        self.storages: list[StorageSpec] = []
+        self.dynamic: list[Any] = []
+        self.device: int | None = None
+        self._seen: dict[int, int] = {}
+        self._what = what
+
+    def tensor(self, t: torch.Tensor | None):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            # A Python number standing for a tensor ("wrapped number", e.g. `x * 3`).
+            self.dynamic.append(t)
+            return HostRef(len(self.dynamic) - 1, _WRAPPED_DTYPES[type(t)], True)
+        if t.device.type != "tpu":
+            if t.dim() == 0 and t.device.type == "cpu":
+                self.dynamic.append(t.item())
+                return HostRef(len(self.dynamic) - 1, t.dtype, t._is_wrapped_number())
+            raise _mismatch(self._what, self.device if self.device is not None else 0, t.device)
+        storage = t.untyped_storage()
+        buffer = getattr(storage, BUFFER_ATTR, None) or buffer_of(t)
+        if self.device is None:
+            self.device = buffer.device
+        elif buffer.device != self.device:
+            raise _mismatch(self._what, self.device, t.device)
+        index = self._seen.get(id(buffer))
+        if index is None:
+            index = self._seen[id(buffer)] = len(self.buffers)
+            self.buffers.append(buffer)
+            self.storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None))
+        sizes = tuple(t.shape)
+        dtype = t.dtype
+        if dtype == buffer.dtype and t.storage_offset() == 0 and t.is_contiguous() and (
+            math.prod(sizes) == buffer.numel
+        ):
+            return TensorRef(index, dtype, sizes, None)
+        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()))
+
+    def value(self, v) -> ScalarRef:
+        self.dynamic.append(v)
+        return ScalarRef(len(self.dynamic) - 1, type(v))
+
+
+class Call(Inputs):
+    """One ATen call's runtime side: the buffers and values to feed its Program."""
+
+    __slots__ = ("op", "sig", "values", "key", "lowering")
 
     def __init__(self, op: OpOverload, sig: Signature, values: list, lowering) -> None:
+        super().__init__(op)
         self.op = op
         self.sig = sig
         self.values = values
         self.lowering = lowering
-        self.buffers: list[DeviceBuffer] = []
-        self.dynamic: list[Any] = []
-        self.device: int | None = None
         self.key: tuple = ()
+
+    def build(self) -> "Program":
+        return build(self)
 
 
 def _device_arg(values: list) -> int | None:
@@ -107,46 +161,13 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
     sig = signature(op)
     values = sig.normalize(args, kwargs)
     call = Call(op, sig, values, lowering)
-    seen: dict[int, int] = {}
-    storages: list[StorageSpec] = []
+    tensor = call.tensor
     dynamic_scalars = lowering.dynamic_scalars
-
-    def tensor(t: torch.Tensor):
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor):
-            # A Python number standing for a tensor ("wrapped number", e.g. `x * 3`).
-            call.dynamic.append(t)
-            return HostRef(len(call.dynamic) - 1, _WRAPPED_DTYPES[type(t)], True)
-        if t.device.type != "tpu":
-            if t.dim() == 0 and t.device.type == "cpu":
-                call.dynamic.append(t.item())
-                return HostRef(len(call.dynamic) - 1, t.dtype, t._is_wrapped_number())
-            raise _mismatch(op, call.device if call.device is not None else 0, t.device)
-        storage = t.untyped_storage()
-        buffer = getattr(storage, BUFFER_ATTR, None) or buffer_of(t)
-        if call.device is None:
-            call.device = buffer.device
-        elif buffer.device != call.device:
-            raise _mismatch(op, call.device, t.device)
-        index = seen.get(id(buffer))
-        if index is None:
-            index = seen[id(buffer)] = len(call.buffers)
-            call.buffers.append(buffer)
-            storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None))
-        sizes = tuple(t.shape)
-        dtype = t.dtype
-        if dtype == buffer.dtype and t.storage_offset() == 0 and t.is_contiguous() and (
-            math.prod(sizes) == buffer.numel
-        ):
-            return TensorRef(index, dtype, sizes, None)
-        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()))
 
     def scalar(v):
         if v is None or not dynamic_scalars or isinstance(v, torch.Tensor):
             return _freeze(v)
-        call.dynamic.append(v)
-        return ScalarRef(len(call.dynamic) - 1, type(v))
+        return call.value(v)
 
     encoded = []
     for arg, v in zip(sig.args, values):
@@ -167,7 +188,7 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
             call.device = current_device()
     if lowering.random:
         call.dynamic.append(tpu_random.next_key_words(call.device))
-    call.key = (op, precision.get_mode(), call.device, tuple(storages), tuple(encoded))
+    call.key = (op, precision.get_mode(), call.device, tuple(call.storages), tuple(encoded))
     return call
 
 
@@ -250,7 +271,7 @@ def _new_tensor_spec(meta: torch.Tensor) -> NewTensor:
     return NewTensor(sizes, strides, meta.dtype, max(math.prod(sizes), 0))
 
 
-def _write_new(value, spec: NewTensor):
+def write_new(value, spec: NewTensor):
     """A fresh flat buffer holding `value` in `spec`'s layout."""
     import jax.numpy as jnp
 
@@ -299,7 +320,7 @@ def program_for(call: Call) -> Program:
     """The Program for `call.key`, built on first use and shared by every executor."""
     program = _programs.get(call.key)
     if program is None:
-        program = _programs[call.key] = build(call)
+        program = _programs[call.key] = call.build()
     return program
 
 
@@ -379,7 +400,7 @@ def build(call: Call) -> Program:
                 buffers[ref.storage] = write_tensor(buffers[ref.storage], ref, val)
             return tuple(buffers[i] for i in written)
         outs = list(_flatten(out))
-        new_flat = [_write_new(v, spec) for v, spec in zip(outs[: len(new)], new)]
+        new_flat = [write_new(v, spec) for v, spec in zip(outs[: len(new)], new)]
         return tuple(new_flat) + tuple(outs[len(new):])
 
     return Program(program, inputs, written, tuple(new), result, key)
@@ -426,6 +447,8 @@ def assemble(template, call: Call, new_tensors: list, host_values: list):
         return template[2](host_values[template[1]])
     if kind == "none":
         return None
+    if kind == "const":
+        return template[1]
     parts = [assemble(t, call, new_tensors, host_values) for t in template[1]]
     return parts if kind == "list" else tuple(parts)
 

@@ -66,3 +66,11 @@ def get(op: OpOverload) -> Callable[..., Any] | None:
         return None
     run_functional = functional
     return _out(run_functional, op) if signature(op).is_out else _inplace(run_functional, op)
+
+
+def for_compile() -> dict[OpOverload, Callable[..., Any]]:
+    """Decompositions AOTAutograd should apply for `torch.compile(backend="tpu")`: PyTorch's
+    decompositions to the Core ATen opset, for ops the registry does not lower itself."""
+    from torch._decomp import core_aten_decompositions
+
+    return {op: fn for op, fn in core_aten_decompositions().items() if registry.get(op) is None}

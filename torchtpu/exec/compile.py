@@ -1,0 +1,164 @@
+"""`torch.compile(model, backend="tpu")`: AOTAutograd graphs compiled to XLA.
+
+Dynamo captures the model; AOTAutograd turns it into functional ATen forward and backward graphs
+(decomposing what the registry does not lower). Each graph becomes one Program over its inputs'
+storages -- the graph's nodes call the same registry lowerings as the eager executors
+(`torchtpu.exec.graph`) -- and runs through the current eager executor: strict mode jits it, defer
+mode records it as one node of the pending graph, so compiled regions fuse with the eager code
+around them. Graph breaks and the optimizer step outside the graph simply run eagerly.
+
+A graph containing an op without a lowering is run eagerly instead (its ops dispatch one by one
+to the tpu kernels), counted in `torchtpu.metrics()["compiled_graphs_run_eagerly"]` and warned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from torchtpu import counters, precision, random as tpu_random, runtime
+from torchtpu.exec import graph as fx_graph
+from torchtpu.exec import opcall
+from torchtpu.exec.opcall import HostRef, NewTensor, Program, TensorRef
+from torchtpu.ops import decomps
+
+_graph_ids = itertools.count()
+
+
+class GraphCall(opcall.Inputs):
+    """One call of a compiled graph, shaped like an op call for the executors."""
+
+    __slots__ = ("graph", "refs", "key", "values")
+
+    def __init__(self, compiled: "CompiledGraph", args: Sequence[Any]) -> None:
+        super().__init__(f"compiled graph {compiled.name}")
+        self.graph = compiled
+        self.values = list(args)
+        self.refs = tuple(
+            self.tensor(a) if isinstance(a, torch.Tensor) else opcall._freeze(a) for a in args
+        )
+        if self.device is None:
+            self.device = opcall.current_device()
+        if compiled.random:
+            self.dynamic.append(tpu_random.next_key_words(self.device))
+        self.key = (compiled.name, precision.get_mode(), self.device, tuple(self.storages), self.refs)
+
+    def build(self) -> Program:
+        return self.graph.program(self)
+
+
+class CompiledGraph:
+    """An AOTAutograd graph (forward or backward) compiled for tpu."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str) -> None:
+        self.gm = gm
+        self.name = f"{kind}_graph_{next(_graph_ids)}"
+        self.random = fx_graph.needs_rng(gm)
+        self.missing = fx_graph.unsupported_ops(gm)
+        if self.missing:
+            counters.count("compiled_graphs_run_eagerly")
+            warnings.warn(
+                f"torch.compile(backend='tpu'): {self.name} has ops without a tpu lowering "
+                f"({', '.join(self.missing)}); running this graph eagerly",
+                stacklevel=2,
+            )
+
+    def __call__(self, *args: Any) -> Any:
+        if self.missing:
+            return self.gm(*args)
+        from torchtpu.exec.kernels import submit
+
+        return submit(GraphCall(self, args))
+
+    def program(self, call: GraphCall) -> Program:
+        import jax
+
+        storages = call.storages
+        refs = call.refs
+        inputs = tuple(i for i, spec in enumerate(storages) if spec.initialized)
+        mode, platform = call.key[1], runtime.runtime().platform
+        gm, random = self.gm, self.random
+        n_dynamic = len(call.dynamic)
+
+        def values_of(flat_inputs):
+            import jax.numpy as jnp
+
+            from torchtpu import dtypes
+
+            buffers: list[Any] = [None] * len(storages)
+            for index, flat in zip(inputs, flat_inputs):
+                buffers[index] = flat
+            for index, spec in enumerate(storages):
+                if buffers[index] is None:
+                    buffers[index] = jnp.zeros(spec.numel, dtypes.to_jax(spec.dtype))
+            dyn = flat_inputs[len(inputs):]
+            values = []
+            for ref in refs:
+                if isinstance(ref, TensorRef):
+                    values.append(opcall.read_tensor(buffers[ref.storage], ref))
+                elif isinstance(ref, HostRef):
+                    values.append(jnp.asarray(dyn[ref.slot], dtypes.to_jax(ref.dtype)))
+                else:
+                    values.append(ref)
+            rng = dyn[n_dynamic - 1] if random else None
+            return values, rng
+
+        def run(*flat_inputs):
+            values, rng = values_of(flat_inputs)
+            return fx_graph.interpret(gm, values, precision=mode, platform=platform, rng_words=rng)
+
+        # Output metadata from an abstract trace (shapes are concrete for this key).
+        from torchtpu import dtypes as tpu_dtypes
+
+        avals = [
+            jax.ShapeDtypeStruct((storages[i].numel,), tpu_dtypes.to_jax(storages[i].dtype))
+            for i in inputs
+        ] + [jax.ShapeDtypeStruct(getattr(v, "shape", ()), getattr(v, "dtype", None) or type(v))
+             for v in call.dynamic]
+        abstract = jax.eval_shape(run, *avals)
+        new: list[NewTensor] = []
+        template = []
+        array_positions = []
+        for position, out in enumerate(abstract):
+            if isinstance(out, jax.ShapeDtypeStruct):
+                sizes = tuple(out.shape)
+                dtype = tpu_dtypes.from_jax(out.dtype)
+                new.append(NewTensor(sizes, opcall.contiguous_strides(sizes), dtype, math.prod(sizes)))
+                template.append(("new", len(new) - 1))
+                array_positions.append(position)
+            else:
+                template.append(("const", out))
+
+        def program(*flat_inputs):
+            outs = run(*flat_inputs)
+            return tuple(opcall.write_new(outs[p], spec) for p, spec in zip(array_positions, new))
+
+        return Program(program, inputs, (), tuple(new), ("list", tuple(template)), call.key)
+
+
+def _compiler(kind: str):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        counters.count("compiled_graphs")
+        return make_boxed_func(CompiledGraph(gm, kind))
+
+    return compile_graph
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+    """The `torch.compile` backend named "tpu"."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backend = aot_autograd(
+        fw_compiler=_compiler("forward"),
+        bw_compiler=_compiler("backward"),
+        inference_compiler=_compiler("inference"),
+        decompositions=decomps.for_compile(),
+    )
+    return backend(gm, example_inputs, **kwargs)

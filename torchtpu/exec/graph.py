@@ -1,0 +1,158 @@
+"""An ATen FX graph as one JAX function, through the lowering registry.
+
+Used by the compiled executor (AOTAutograd's forward and backward graphs). Each `call_function`
+node on an ATen overload calls that overload's registered lowering with a context built from the
+nodes' fake-tensor metadata (`node.meta["val"]`), exactly as the eager executors do; `getitem`
+and Python arithmetic on sizes are evaluated directly. There is no second copy of any op's math
+here.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._ops import OpOverload
+
+from torchtpu import random as tpu_random
+from torchtpu.ops import registry
+from torchtpu.ops.schema import signature
+
+_PYTHON_TARGETS: dict[Any, Callable[..., Any]] = {
+    operator.getitem: operator.getitem,
+    operator.add: operator.add,
+    operator.sub: operator.sub,
+    operator.mul: operator.mul,
+    operator.floordiv: operator.floordiv,
+    operator.truediv: operator.truediv,
+    operator.mod: operator.mod,
+    operator.neg: operator.neg,
+    operator.eq: operator.eq,
+    operator.ne: operator.ne,
+    operator.lt: operator.lt,
+    operator.le: operator.le,
+    operator.gt: operator.gt,
+    operator.ge: operator.ge,
+}
+
+
+class UnsupportedNode(NotImplementedError):
+    """A graph node the tpu compiler cannot lower."""
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+def _sym_sizes(value: Any) -> Any:
+    """SymInts in node metadata -> their hint values (the graph runs with concrete shapes)."""
+    if isinstance(value, torch.SymInt):
+        return value.node.hint if value.node.hint is not None else int(value)
+    return value
+
+
+def unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """ATen overloads in `gm` that have no lowering (the compiler will refuse the graph)."""
+    missing = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpOverload):
+            if registry.get(node.target) is None and not _is_size_query(node.target):
+                missing.append(str(node.target))
+    return sorted(set(missing))
+
+
+_SIZE_QUERIES = {
+    torch.ops.aten.sym_size.int: lambda x, dim: x.shape[dim],
+    torch.ops.aten.sym_stride.int: None,
+    torch.ops.aten.sym_numel.default: lambda x: x.size,
+    torch.ops.aten.sym_storage_offset.default: None,
+}
+
+
+def _is_size_query(op: OpOverload) -> bool:
+    return op in _SIZE_QUERIES
+
+
+def interpret(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[Any],
+    *,
+    precision: str,
+    platform: str,
+    rng_words: Any = None,
+) -> list[Any]:
+    """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list."""
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    rng_base = tpu_random.key_from_words(rng_words) if rng_words is not None else None
+    import jax
+
+    def load(arg):
+        return torch.fx.node.map_arg(arg, lambda n: env[n])
+
+    outputs: list[Any] = []
+    for position, node in enumerate(gm.graph.nodes):
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            env[node] = _constant(getattr(gm, node.target))
+        elif node.op == "call_function":
+            target = node.target
+            args, kwargs = load(node.args), load(node.kwargs)
+            if target in _PYTHON_TARGETS:
+                env[node] = _PYTHON_TARGETS[target](*args, **kwargs)
+            elif isinstance(target, OpOverload) and target in _SIZE_QUERIES:
+                query = _SIZE_QUERIES[target]
+                if query is None:
+                    raise UnsupportedNode(f"{target} (strides are not observable in compiled tpu graphs)")
+                env[node] = query(*args, **kwargs)
+            elif isinstance(target, OpOverload):
+                lowering = registry.get(target)
+                if lowering is None:
+                    raise UnsupportedNode(f"{target} has no tpu lowering (node {node.name})")
+                sig = signature(target)
+                values = sig.normalize(tuple(args), dict(kwargs))
+                meta_args = sig.normalize(tuple(_meta(node.args)), dict(_meta(node.kwargs)))
+                rng = jax.random.fold_in(rng_base, position) if lowering.random else None
+                if lowering.random and rng_base is None:
+                    raise UnsupportedNode(f"{target} needs random numbers but the graph got no key")
+                ctx = registry.LoweringContext(
+                    target, meta_args, node.meta.get("val"), precision, platform, rng
+                )
+                pos, kw = sig.split(values)
+                env[node] = lowering.fn(ctx, *pos, **kw)
+            else:
+                raise UnsupportedNode(f"call_function {target} (node {node.name})")
+        elif node.op == "output":
+            result = load(node.args[0])
+            outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        else:
+            raise UnsupportedNode(f"{node.op} nodes (node {node.name})")
+    return outputs
+
+
+def needs_rng(gm: torch.fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpOverload):
+            lowering = registry.get(node.target)
+            if lowering is not None and lowering.random:
+                return True
+    return False
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        import jax.numpy as jnp
+
+        from torchtpu.exec import memory
+
+        host = value.detach()
+        array = memory.to_numpy(host) if host.device.type == "tpu" else memory.torch_to_numpy(host)
+        return jnp.asarray(array)
+    return value

@@ -19,6 +19,10 @@ from torchtpu.exec import kernels as _kernels  # noqa: E402
 
 _kernels.register_all()
 
+from torchtpu import serialization as _serialization  # noqa: E402
+
+_serialization.register()
+
 set_eager_mode = _modes.set_mode
 eager_mode = _modes.eager_mode
 get_eager_mode = _modes.current

@@ -17,8 +17,9 @@ matmuls are exact.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -79,24 +80,32 @@ def _split(x, parts: int):
 
 def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=None):
     """`lax.dot_general` with TPU matmul precision semantics for floating-point inputs."""
+    return bilinear(functools.partial(lax.dot_general, dimension_numbers=dimension_numbers),
+                    a, b, mode, platform, out_dtype)
+
+
+def conv_general_dilated(lhs, rhs, mode: str, platform: str, out_dtype=None, **conv):
+    """`lax.conv_general_dilated` (keyword arguments `conv`) with TPU precision semantics:
+    a convolution is a contraction, so it takes the same bf16 passes as a matmul."""
+    return bilinear(functools.partial(lax.conv_general_dilated, **conv), lhs, rhs, mode, platform,
+                    out_dtype)
+
+
+def bilinear(op: Callable[..., Any], a, b, mode: str, platform: str, out_dtype=None):
+    """`op(a, b, precision=, preferred_element_type=)`, a lax op linear in each operand, computed
+    as the TPU's MXU computes it in precision `mode`: 1, 3 or 6 bf16 passes for fp32 operands,
+    one pass for bf16/f16 operands (fp32 accumulation), exact for float64 and integers."""
     out_dtype = np.dtype(out_dtype or jnp.result_type(a, b))
     if out_dtype not in (np.float32, np.dtype(jnp.bfloat16), np.float16):
         # float64 and integers: exact, no bf16 passes.
-        return lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype)
+        return op(a, b, preferred_element_type=out_dtype)
     if platform == "tpu":
         # UNTESTED (no TPU here): XLA:TPU performs the bf16 passes itself.
-        result = lax.dot_general(
-            a.astype(jnp.float32) if a.dtype == np.float32 else a,
-            b.astype(jnp.float32) if b.dtype == np.float32 else b,
-            dimension_numbers,
-            precision=_LAX_PRECISION[mode],
-            preferred_element_type=jnp.float32,
-        )
+        result = op(a, b, precision=_LAX_PRECISION[mode], preferred_element_type=jnp.float32)
         return result.astype(out_dtype)
     if a.dtype != np.float32 and b.dtype != np.float32:
         # bf16/f16 operands: one pass, products accumulated in fp32.
-        result = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
-        return result.astype(out_dtype)
+        return op(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
     passes = _PASSES[mode]
     depth = 1 + max(max(p) for p in passes)
     a_parts = _split(a.astype(jnp.float32), depth)
@@ -104,7 +113,6 @@ def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=Non
     total = None
     # Add the small terms first, as the MXU's fp32 accumulation of the passes does.
     for i, j in reversed(passes):
-        term = lax.dot_general(a_parts[i], b_parts[j], dimension_numbers,
-                               preferred_element_type=jnp.float32)
+        term = op(a_parts[i], b_parts[j], preferred_element_type=jnp.float32)
         total = term if total is None else total + term
     return total.astype(out_dtype)

@@ -57,15 +57,33 @@ class DeviceBuffer:
     as zeros, like fresh device memory that happens to be cleared).
     """
 
-    __slots__ = ("value", "dtype", "numel", "device", "nbytes", "__weakref__")
+    __slots__ = ("value", "dtype", "numel", "device", "nbytes", "untyped", "__weakref__")
 
-    def __init__(self, dtype: torch.dtype, numel: int, device: int, value: Any = None) -> None:
+    def __init__(self, dtype: torch.dtype, numel: int, device: int, value: Any = None,
+                 untyped: bool = False) -> None:
         self.value = value
         self.dtype = dtype
         self.numel = numel
         self.device = device
         self.nbytes = numel * dtypes.itemsize(dtype)
+        # Raw bytes (e.g. a storage restored by torch.load): the first tensor that reads it with
+        # another dtype decides the element type (see `retype`).
+        self.untyped = untyped
         stats.add(device, self.nbytes)
+
+    def retype(self, dtype: torch.dtype) -> None:
+        """Reinterpret raw bytes as elements of `dtype`, once, so later reads take the fast path."""
+        if not self.untyped or dtype == self.dtype or self.nbytes % dtypes.itemsize(dtype):
+            return
+        if self.value is not None:
+            import jax
+
+            from torchtpu import strided
+
+            self.value = jax.jit(strided.reinterpret, static_argnums=1)(self.value, dtypes.to_jax(dtype))
+        self.dtype = dtype
+        self.numel = self.nbytes // dtypes.itemsize(dtype)
+        self.untyped = False
 
     def __del__(self) -> None:
         try:
@@ -162,10 +180,42 @@ def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _AddressSpace:
+    """Device "addresses" for storages.
+
+    A storage's data pointer never points to host memory, but PyTorch and libraries use it as an
+    identity (`torch.save` keys storages by it; safetensors detects shared tensors by address
+    ranges; a null pointer makes PyTorch call the storage invalid). Each storage therefore gets a
+    range of its own in a 64-bit space above any host address, handed out once and never reused.
+    """
+
+    _BASE = 1 << 56
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self.next = self._BASE
+        self.lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        with self.lock:
+            address = self.next
+            self.next += (max(nbytes, 1) + self._ALIGN - 1) // self._ALIGN * self._ALIGN
+        return address
+
+
+_addresses = _AddressSpace()
+
+
+def new_storage(buffer: DeviceBuffer) -> torch.UntypedStorage:
+    """A storage on `buffer`'s device that owns `buffer`."""
+    storage = _new_storage(_addresses.reserve(buffer.nbytes), torch.device("tpu", buffer.device), buffer.nbytes)
+    setattr(storage, BUFFER_ATTR, buffer)
+    return storage
+
+
 def attach(t: torch.Tensor, buffer: DeviceBuffer, sizes, strides, offset: int = 0) -> torch.Tensor:
     """Point `t` at a new storage that owns `buffer`, with the given geometry."""
-    storage = _new_storage(0, t.device, buffer.nbytes)
-    setattr(storage, BUFFER_ATTR, buffer)
+    storage = new_storage(buffer)
     _set_storage.redispatch(_CPU_KEYS, t, storage, offset, sizes, strides)
     return t
 
@@ -206,6 +256,8 @@ def buffer_of(t: torch.Tensor) -> DeviceBuffer:
         # give it fresh device memory of its byte size, read as elements of this tensor's dtype.
         buffer = DeviceBuffer(t.dtype, storage.nbytes() // dtypes.itemsize(t.dtype), t.device.index)
         setattr(storage, BUFFER_ATTR, buffer)
+    elif buffer.untyped and buffer.dtype != t.dtype:
+        buffer.retype(t.dtype)
     return buffer
 
 

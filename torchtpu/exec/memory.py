@@ -71,27 +71,37 @@ def _is_array(value) -> bool:
 _read_programs: dict[tuple, object] = {}
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """The logical value of a `tpu` tensor as a host numpy array (bf16 as ml_dtypes.bfloat16)."""
-    buffer = storage.buffer_of(t)
-    value = _materialized(buffer)
-    sizes = tuple(t.shape)
-    np_dtype = dtypes.to_jax(t.dtype)
-    if value is None:
-        return np.zeros(sizes, np_dtype)
-    geometry = strided.Geometry(sizes, tuple(t.stride()), t.storage_offset())
-    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel):
-        return np.asarray(value).reshape(sizes)
+def to_array(t: torch.Tensor):
+    """The logical value of a `tpu` tensor as a flat, row-major `jax.Array` on its device.
+
+    Pending work is materialised first. A tensor that covers its whole storage gets the storage's
+    own buffer (no copy); any other view is gathered by a cached program.
+    """
     import jax
 
+    buffer = storage.buffer_of(t)
+    value = _materialized(buffer)
+    np_dtype = dtypes.to_jax(t.dtype)
+    if value is None:
+        return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
+    geometry = strided.Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel):
+        return value
     key = (geometry, t.dtype, buffer.dtype, buffer.numel)
     read = _read_programs.get(key)
     if read is None:
         def read_fn(flat):
-            return strided.read(strided.reinterpret(flat, np_dtype), geometry)
+            return strided.read(strided.reinterpret(flat, np_dtype), geometry).reshape(-1)
 
         read = _read_programs[key] = jax.jit(read_fn)
-    return np.asarray(read(value))
+    return read(value)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """The logical value of a `tpu` tensor as a host numpy array (bf16 as ml_dtypes.bfloat16).
+
+    Where device memory is host memory (the CPU platform) this is a read-only view of it."""
+    return np.asarray(to_array(t)).reshape(tuple(t.shape))
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -130,6 +140,51 @@ def host_to_device(array: np.ndarray, index: int):
     import jax
 
     return jax.device_put(np.array(array, copy=True, order="C"), runtime.jax_device(index))
+
+
+class _HostMemoryOf:
+    """DLPack producer presenting a CPU tensor's memory as memory of one CPU-platform device
+    (the stand-in's devices all address host memory)."""
+
+    def __init__(self, t: torch.Tensor, hardware_id: int) -> None:
+        self._t = t
+        self._hardware_id = hardware_id
+
+    def __dlpack__(self, **kwargs):
+        return self._t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, self._hardware_id)  # (kDLCPU, device)
+
+
+def move_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`dst.copy_(src)` for a CPU tensor `src` that the caller gives up (a receive buffer).
+
+    Where device memory is host memory (the CPU platform), a contiguous `src` of `dst`'s shape
+    and dtype becomes device memory without a copy: `dst` takes it as its storage's buffer when
+    `dst` covers its whole storage; otherwise the executor writes it into `dst`'s region. The
+    caller must not use `src` afterwards.
+    """
+    if runtime.runtime().platform != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape or (
+        not src.is_contiguous()
+    ):
+        return copy_(dst, src)
+    import jax
+    from torchtpu.exec.kernels import execute
+
+    index = dst.device.index
+    device = runtime.jax_device(index)
+    value = jax.dlpack.from_dlpack(_HostMemoryOf(src.reshape(-1), device.local_hardware_id))
+    if _fills_whole(dst, src):
+        buffer = storage.buffer_of(dst)
+        if modes.current() == "defer":
+            from torchtpu.exec import deferred
+
+            deferred.forget(buffer)
+        buffer.value = value
+        return dst
+    source = storage.new_tensor(storage.DeviceBuffer(src.dtype, src.numel(), index, value), tuple(src.shape))
+    return execute(aten.copy_.default, (dst, source, False), {})
 
 
 def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:

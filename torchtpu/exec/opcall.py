@@ -110,7 +110,9 @@ class Inputs:
                 return HostRef(len(self.dynamic) - 1, t.dtype, t._is_wrapped_number())
             raise _mismatch(self._what, self.device if self.device is not None else 0, t.device)
         storage = t.untyped_storage()
-        buffer = getattr(storage, BUFFER_ATTR, None) or buffer_of(t)
+        buffer = getattr(storage, BUFFER_ATTR, None)
+        if buffer is None or buffer.untyped:
+            buffer = buffer_of(t)
         if self.device is None:
             self.device = buffer.device
         elif buffer.device != self.device:

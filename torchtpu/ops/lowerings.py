@@ -2,6 +2,7 @@
 
 from torchtpu.ops import (  # noqa: F401
     activations,
+    comparison,
     conv,
     creation,
     data_dependent,

@@ -199,9 +199,9 @@ def expand_feature(
     name = feature.name
     n = topology.num_sparsecores
     num_samples = feature.batch_size * topology.local_device_count // topology.global_device_count
-    lengths = _lengths(name, ids, num_samples)
     table = stack.tables[placement.table_index]
     values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
+    lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
     if feature.is_sequence:
         row_keys, samples = _row_coordinates(

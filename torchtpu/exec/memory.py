@@ -160,31 +160,23 @@ class _HostMemoryOf:
 def move_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`dst.copy_(src)` for a CPU tensor `src` that the caller gives up (a receive buffer).
 
-    Where device memory is host memory (the CPU platform), a contiguous `src` of `dst`'s shape
-    and dtype becomes device memory without a copy: `dst` takes it as its storage's buffer when
-    `dst` covers its whole storage; otherwise the executor writes it into `dst`'s region. The
-    caller must not use `src` afterwards.
+    Where device memory is host memory (the CPU platform) and `dst` covers its whole storage, a
+    contiguous `src` of `dst`'s shape and dtype becomes `dst`'s device buffer without a copy.
+    Anything else is an ordinary `copy_`. The caller must not use `src` afterwards.
     """
-    if runtime.runtime().platform != "cpu" or src.dtype != dst.dtype or src.shape != dst.shape or (
-        not src.is_contiguous()
-    ):
+    whole = src.dtype == dst.dtype and src.is_contiguous() and _fills_whole(dst, src)
+    if runtime.runtime().platform != "cpu" or not whole:
         return copy_(dst, src)
     import jax
-    from torchtpu.exec.kernels import execute
 
-    index = dst.device.index
-    device = runtime.jax_device(index)
-    value = jax.dlpack.from_dlpack(_HostMemoryOf(src.reshape(-1), device.local_hardware_id))
-    if _fills_whole(dst, src):
-        buffer = storage.buffer_of(dst)
-        if modes.current() == "defer":
-            from torchtpu.exec import deferred
+    device = runtime.jax_device(dst.device.index)
+    buffer = storage.buffer_of(dst)
+    if modes.current() == "defer":
+        from torchtpu.exec import deferred
 
-            deferred.forget(buffer)
-        buffer.value = value
-        return dst
-    source = storage.new_tensor(storage.DeviceBuffer(src.dtype, src.numel(), index, value), tuple(src.shape))
-    return execute(aten.copy_.default, (dst, source, False), {})
+        deferred.forget(buffer)
+    buffer.value = jax.dlpack.from_dlpack(_HostMemoryOf(src.reshape(-1), device.local_hardware_id))
+    return dst
 
 
 def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:

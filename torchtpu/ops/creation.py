@@ -1,1 +1,105 @@
-"""Factory ops: arange, full, eye, linspace, ... (device given by argument)."""
+"""Factory ops: arange, full, eye, linspace, logspace, tril/triu indices (device given by argument).
+
+The output shape and dtype come from PyTorch's meta kernels (`ctx.out_shape()`,
+`ctx.out_dtype()`), which also do the dtype inference from Scalar types and the argument
+checks. The values follow ATen's CPU kernels, including the dtype in which they are computed:
+`arange` in the accumulate type (float64 for float32, int64 for integers, with Scalars converted
+to it first), `linspace` in the output dtype (float64 steps for integer outputs). Fill values are
+runtime inputs (`dynamic_scalars`): a new value does not recompile.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchtpu.ops import registry
+from torchtpu.ops.reduction import opmath
+
+aten = torch.ops.aten
+
+
+def _integral(dtype) -> bool:
+    return not jnp.issubdtype(dtype, jnp.inexact)
+
+
+@registry.register(aten.arange.start_step)
+def arange(ctx, start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    out = ctx.out_dtype()
+    if _integral(out):
+        accumulate, start, step = np.dtype(np.int64), int(start), int(step)
+    else:
+        accumulate = np.dtype(np.float64) if np.dtype(out).itemsize >= 4 else np.dtype(np.float32)
+    (n,) = ctx.out_shape()
+    return jnp.asarray(start, accumulate) + jnp.asarray(step, accumulate) * jnp.arange(n, dtype=accumulate)
+
+
+@registry.register(aten.full.default, dynamic_scalars=True)
+def full(ctx, size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(ctx.out_shape(), fill_value, ctx.out_dtype())
+
+
+@registry.register(aten.full_like.default, dynamic_scalars=True)
+def full_like(ctx, x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(ctx.out_shape(), fill_value, ctx.out_dtype())
+
+
+@registry.register(aten.scalar_tensor.default, dynamic_scalars=True)
+def scalar_tensor(ctx, s, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s).astype(ctx.out_dtype()).reshape(())
+
+
+@registry.register(aten.eye.default, aten.eye.m)
+def eye(ctx, n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
+    rows, columns = ctx.out_shape()
+    return jnp.eye(rows, columns, dtype=ctx.out_dtype())
+
+
+def linspace_values(start, end, steps: int, dtype):
+    """`steps` points from `start` to `end` as ATen computes them: the first half counts up from
+    `start`, the second half down from `end` (so both ends are exact), in `dtype` for floating
+    outputs and in float64 for integer outputs (whose Scalars are truncated to integers first)."""
+    if _integral(dtype):
+        compute = np.dtype(np.float64)
+        start, end = float(int(start)), float(int(end))
+    else:
+        compute = np.dtype(dtype)
+    if steps == 1:
+        return jnp.full((1,), start, compute)
+    start, end = jnp.asarray(start, compute), jnp.asarray(end, compute)
+    step = (end - start) / jnp.asarray(steps - 1, compute)
+    index = jnp.arange(steps, dtype=np.int64)
+    up = start + step * index.astype(compute)
+    down = end - step * (steps - index - 1).astype(compute)
+    return jnp.where(index < steps // 2, up, down)
+
+
+@registry.register(aten.linspace.default)
+def linspace(ctx, start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return linspace_values(start, end, steps, ctx.out_dtype())
+
+
+@registry.register(aten.logspace.default)
+def logspace(ctx, start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    out = ctx.out_dtype()
+    exponents = linspace_values(start, end, steps, out)
+    compute = np.dtype(np.float64) if _integral(out) else opmath(out)
+    return jnp.power(jnp.asarray(base, compute), exponents.astype(compute))
+
+
+def _triangle_indices(ctx, mask):
+    """The (2, N) coordinates of `mask`'s True entries in row-major order."""
+    (_, n) = ctx.out_shape()
+    rows, columns = jnp.nonzero(mask, size=n)
+    return jnp.stack([rows, columns]).astype(ctx.out_dtype())
+
+
+@registry.register(aten.tril_indices.default)
+def tril_indices(ctx, row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _triangle_indices(ctx, jnp.tri(row, col, offset, dtype=bool))
+
+
+@registry.register(aten.triu_indices.default)
+def triu_indices(ctx, row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _triangle_indices(ctx, ~jnp.tri(row, col, offset - 1, dtype=bool))

@@ -1,1 +1,248 @@
-"""Random ops: uniform, normal, bernoulli, dropout, randperm, multinomial, ... (keys from ctx.rng_key())."""
+"""Random ops: uniform, normal, bernoulli, dropout, random_, randperm, multinomial, ...
+
+Every lowering here is registered `random=True` and draws from `ctx.rng_key()`, a threefry key
+the executor derives from the device generator's (seed, offset) -- so `torch.manual_seed` and
+`torch.tpu.get_rng_state`/`set_rng_state` reproduce streams, and the key being a runtime input,
+a new draw never recompiles. Distribution parameters are runtime inputs too (`dynamic_scalars`).
+
+The streams are JAX's, not PyTorch's (no backend reproduces CPU bits); the distributions are
+ATen's, including their transformations of uniform bits (`random_`'s modulo reduction) and
+their parameter conventions. Low-precision outputs are sampled in float32 and rounded.
+Explicit `torch.Generator` objects are CPU generators and are refused: tpu ops draw from the
+device generator. Value checks ATen does on tensor data (negative probabilities, negative
+`std`) would need a host sync and are not done.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torchtpu.ops import registry
+from torchtpu.ops.reduction import opmath
+
+aten = torch.ops.aten
+
+
+def _check_generator(ctx, generator) -> None:
+    if generator is not None:
+        raise RuntimeError(
+            f"{ctx.op}: expected a 'tpu' device type for generator but found '{generator.device}'; "
+            f"tpu ops draw from the device generator (seed it with torch.manual_seed or "
+            f"torch.tpu.manual_seed)"
+        )
+
+
+def _sampling_dtype(ctx) -> np.dtype:
+    return opmath(ctx.out_dtype())
+
+
+def _param(value, dtype):
+    return jnp.asarray(value).astype(dtype)
+
+
+def _uniform(ctx, low=0.0, high=1.0):
+    dtype = _sampling_dtype(ctx)
+    u = jax.random.uniform(ctx.rng_key(), ctx.out_shape(), dtype)
+    return _param(low, dtype) + (_param(high, dtype) - _param(low, dtype)) * u
+
+
+def _normal(ctx, mean=0.0, std=1.0):
+    dtype = _sampling_dtype(ctx)
+    z = jax.random.normal(ctx.rng_key(), ctx.out_shape(), dtype)
+    return _param(mean, dtype) + _param(std, dtype) * z
+
+
+# --- continuous distributions -------------------------------------------------------------------
+
+
+@registry.register(aten.uniform.default, random=True, dynamic_scalars=True)
+def uniform(ctx, x, low=0.0, high=1.0, *, generator=None):
+    _check_generator(ctx, generator)
+    return _uniform(ctx, low, high)
+
+
+@registry.register(
+    aten.rand.default, aten.rand.generator, aten.rand_like.default, aten.rand_like.generator, random=True
+)
+def rand(ctx, size_or_self, *, generator=None, **options):
+    _check_generator(ctx, generator)
+    return _uniform(ctx)
+
+
+@registry.register(
+    aten.randn.default, aten.randn.generator, aten.randn_like.default, aten.randn_like.generator, random=True
+)
+def randn(ctx, size_or_self, *, generator=None, **options):
+    _check_generator(ctx, generator)
+    return _normal(ctx)
+
+
+@registry.register(
+    aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor, aten.normal.float_float,
+    random=True, dynamic_scalars=True,
+)
+def normal(ctx, mean, std=1.0, size=None, *, generator=None, **options):
+    """N(mean, std) with tensor or number parameters, broadcast to the output shape."""
+    _check_generator(ctx, generator)
+    return _normal(ctx, mean, std)
+
+
+@registry.register(aten.normal_functional.default, random=True, dynamic_scalars=True)
+def normal_functional(ctx, x, mean=0.0, std=1.0, *, generator=None):
+    _check_generator(ctx, generator)
+    return _normal(ctx, mean, std)
+
+
+@registry.register(aten.log_normal.default, random=True, dynamic_scalars=True)
+def log_normal(ctx, x, mean=1.0, std=2.0, *, generator=None):
+    _check_generator(ctx, generator)
+    return jnp.exp(_normal(ctx, mean, std))
+
+
+@registry.register(aten.exponential.default, random=True, dynamic_scalars=True)
+def exponential(ctx, x, lambd=1.0, *, generator=None):
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    return jax.random.exponential(ctx.rng_key(), ctx.out_shape(), dtype) / _param(lambd, dtype)
+
+
+@registry.register(aten.cauchy.default, random=True, dynamic_scalars=True)
+def cauchy(ctx, x, median=0.0, sigma=1.0, *, generator=None):
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    return _param(median, dtype) + _param(sigma, dtype) * jax.random.cauchy(ctx.rng_key(), ctx.out_shape(), dtype)
+
+
+@registry.register(aten.geometric.default, random=True, dynamic_scalars=True)
+def geometric(ctx, x, p, *, generator=None):
+    """Number of Bernoulli(p) trials up to the first success: ceil(log(u) / log(1 - p)), u in (0, 1]."""
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    u = 1 - jax.random.uniform(ctx.rng_key(), ctx.out_shape(), dtype)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-_param(p, dtype)))
+
+
+@registry.register(aten._standard_gamma.default, random=True)
+def standard_gamma(ctx, alpha, generator=None):
+    """Gamma(alpha, 1); like ATen, samples never underflow below the smallest normal number."""
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    sample = jax.random.gamma(ctx.rng_key(), alpha.astype(dtype), dtype=dtype)
+    return jnp.maximum(sample, jnp.finfo(dtype).tiny)
+
+
+# --- discrete distributions ---------------------------------------------------------------------
+
+
+@registry.register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor, random=True, dynamic_scalars=True)
+def bernoulli(ctx, x, p=None, *, generator=None):
+    """1 with probability `p` (a number, a tensor broadcast to `x`, or `x` itself), else 0."""
+    _check_generator(ctx, generator)
+    p = x if p is None else p
+    dtype = np.dtype(np.float64) if ctx.out_dtype() == np.float64 else np.dtype(np.float32)
+    return jax.random.uniform(ctx.rng_key(), ctx.out_shape(), dtype) < jnp.asarray(p).astype(dtype)
+
+
+@registry.register(aten.poisson.default, random=True)
+def poisson(ctx, rate, generator=None):
+    _check_generator(ctx, generator)
+    rate = rate.astype(_sampling_dtype(ctx))
+    return jax.random.poisson(ctx.rng_key(), rate, rate.shape)
+
+
+def _digits(dtype) -> int:
+    """Bits of a float's significand, the implicit one included (float32: 24)."""
+    return jnp.finfo(dtype).nmant + 1
+
+
+def _full_range(dtype) -> tuple[int, int]:
+    """The inclusive [low, high] of `random_()` without bounds: [0, 2**digits] for floats (every
+    integer there is exact), [0, max] for integers, [0, 1] for bool."""
+    if dtype == np.bool_:
+        return 0, 1
+    if jnp.issubdtype(dtype, jnp.floating):
+        return 0, 2 ** _digits(dtype)
+    return 0, int(jnp.iinfo(dtype).max)
+
+
+def _random_integers(ctx, low: int, span: int):
+    """`low + bits % span` over 32 or 64 random bits, as ATen's `random_` transforms them;
+    a span of 2**64 takes the 64 bits as they are."""
+    key, shape = ctx.rng_key(), ctx.out_shape()
+    if span < 2**32:
+        bits = jax.random.bits(key, shape, np.uint32)
+        return jnp.asarray(low, np.int64) + (bits % np.uint32(span)).astype(np.int64)
+    bits = jax.random.bits(key, shape, np.uint64)
+    offset = bits if span == 2**64 else bits % np.uint64(span)
+    return lax.bitcast_convert_type(offset + np.uint64(low % 2**64), np.int64)
+
+
+_RANDOM_FROM = getattr(aten.random, "from")  # `from` is a Python keyword
+
+
+@registry.register(aten.random.default, aten.random.to, _RANDOM_FROM, random=True)
+def random(ctx, x, from_or_to=None, to=None, *, generator=None):
+    """Integers uniform over [from, to) (`random.from`), [0, to) (`random.to`), or the dtype's
+    full range (`random.default`, and `random.from` without `to`: [from, max])."""
+    _check_generator(ctx, generator)
+    dtype = np.dtype(x.dtype)
+    full_low, full_high = _full_range(dtype)
+    if ctx.op is aten.random.to:
+        low, high = 0, from_or_to - 1
+    elif ctx.op is _RANDOM_FROM:
+        low, high = from_or_to, (full_high if to is None else to - 1)
+    else:
+        low, high = full_low, full_high
+    return _random_integers(ctx, low, high - low + 1)
+
+
+@registry.register(aten.randperm.default, aten.randperm.generator, random=True)
+def randperm(ctx, n, *, generator=None, **options):
+    _check_generator(ctx, generator)
+    return jax.random.permutation(ctx.rng_key(), n)
+
+
+@registry.register(aten.multinomial.default, random=True)
+def multinomial(ctx, probabilities, num_samples, replacement=False, *, generator=None):
+    """Category indices drawn by (unnormalized) row weights: with replacement, independent
+    categorical draws; without, the Gumbel top-k trick, which draws categories one after another
+    without putting them back, as ATen's sequential sampler does. Invalid rows (negative or
+    non-finite weights, fewer positive weights than samples without replacement), which ATen
+    rejects after reading them on the host, are not detected."""
+    _check_generator(ctx, generator)
+    logits = jnp.log(probabilities.astype(opmath(probabilities.dtype)))
+    key = ctx.rng_key()
+    if replacement:
+        batch = logits.shape[:-1]
+        return jax.random.categorical(key, logits[..., None, :], axis=-1, shape=(*batch, num_samples))
+    perturbed = logits + jax.random.gumbel(key, logits.shape, logits.dtype)
+    return lax.top_k(perturbed, num_samples)[1]
+
+
+# --- dropout ------------------------------------------------------------------------------------
+
+
+def _dropout_scale(p: float) -> float:
+    return 0.0 if p == 1 else 1.0 / (1.0 - p)
+
+
+@registry.register(aten.native_dropout.default, random=True)
+def native_dropout(ctx, x, p, train):
+    """(x * mask / (1 - p), mask) with mask ~ Bernoulli(1 - p); the identity when not training."""
+    if train is False:
+        return x, jnp.ones(x.shape, bool)
+    keep = jax.random.bernoulli(ctx.rng_key(), 1.0 - p, x.shape)
+    compute = opmath(x.dtype)
+    return x.astype(compute) * keep.astype(compute) * _dropout_scale(p), keep
+
+
+@registry.register(aten.native_dropout_backward.default)
+def native_dropout_backward(ctx, grad_output, mask, scale):
+    """grad * (mask * scale), the factor rounded to the gradient's dtype first as in ATen."""
+    factor = mask.astype(grad_output.dtype) * jnp.asarray(scale, grad_output.dtype)
+    compute = opmath(grad_output.dtype)
+    return grad_output.astype(compute) * factor.astype(compute)

@@ -1,5 +1,25 @@
 """SparseCore embedding model in JAX and NumPy: topology, specs, layout, host preprocessing."""
 
+from sparsecore.layout import (
+    FeaturePlacement,
+    StackedTable,
+    StackGroup,
+    TablePlacement,
+    auto_stack_tables,
+    physical_row_ids,
+    stack_and_shard,
+    stack_tables,
+    unshard_and_unstack,
+)
+from sparsecore.preprocess import (
+    BufferOverflowError,
+    PackedBatch,
+    PartitionLimitError,
+    PartitionStats,
+    RaggedIds,
+    preprocess,
+    update_limits,
+)
 from sparsecore.spec import (
     Combiner,
     FeatureSpec,

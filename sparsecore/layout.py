@@ -207,9 +207,11 @@ class StackedTable:
         tables = self.tables
         if table_limits:
             tables = tuple(
-                dataclasses.replace(p, table=p.table.with_limits(*table_limits[p.table.name]))
-                if p.table.name in table_limits
-                else p
+                (
+                    dataclasses.replace(p, table=p.table.with_limits(*table_limits[p.table.name]))
+                    if p.table.name in table_limits
+                    else p
+                )
                 for p in self.tables
             )
         features = tuple(
@@ -361,8 +363,7 @@ def _build_stack(
             group.max_ids_per_partition or sum(s.max_ids_per_partition for s in specs)
         ),
         max_unique_ids_per_partition=(
-            group.max_unique_ids_per_partition
-            or sum(s.max_unique_ids_per_partition for s in specs)
+            group.max_unique_ids_per_partition or sum(s.max_unique_ids_per_partition for s in specs)
         ),
         suggested_coo_buffer_size_per_device=buffer,
     )

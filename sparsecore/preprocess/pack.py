@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsecore.layout import StackedTable, round_up
-from sparsecore.preprocess.partition import MergedPairs, exclusive_cumsum, select_pairs
+from sparsecore.preprocess.partition import (
+    KeyLayout,
+    MergedPairs,
+    exclusive_cumsum,
+    select_pairs,
+)
 from sparsecore.topology import Topology
 
 __all__ = [
@@ -123,7 +128,7 @@ class PackedBuffers:
 
 
 def _unique_rows(
-    pairs: MergedPairs, slots: np.ndarray, n: int, sizes: BufferSizes, local_devices: int, rows: int
+    pairs: MergedPairs, slots: np.ndarray, sizes: BufferSizes, layout: KeyLayout
 ) -> UniqueRows:
     """Distinct (device, partition, row) among the written entries, and each entry's index."""
     width = sizes.unique_rows_per_partition
@@ -133,11 +138,12 @@ def _unique_rows(
         present[groups] = True
         groups = (np.cumsum(present) - 1)[groups]
         keys = keys[present]
-    device_partition = keys // rows
+    n, local_devices = layout.num_sparsecores, layout.local_devices
+    device_partition = layout.device_partition(keys)
     counts = np.bincount(device_partition, minlength=local_devices * n)
     rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
     unique_ids = np.full((local_devices * n, width), PAD_ID, dtype=np.int32)
-    unique_ids[device_partition, rank] = keys - device_partition * rows
+    unique_ids[device_partition, rank] = layout.row(keys)
     index_in_device = (device_partition & (n - 1)) * width + rank
     entry_index = np.full(local_devices * sizes.coo_buffer_size_per_device, PAD_ID, dtype=np.int32)
     entry_index[slots] = index_in_device[groups]
@@ -195,7 +201,8 @@ def pack_buffers(
     row_pointers[:, n:] = (ends[:, -1:] + 7) & ~7
     unique = None
     if with_unique_rows:
-        unique = _unique_rows(pairs, slots, n, sizes, local_devices, stack.rows_per_shard)
+        layout = KeyLayout(local_devices, n, stack.rows_per_shard, per_device)
+        unique = _unique_rows(pairs, slots, sizes, layout)
     return PackedBuffers(
         row_pointers=row_pointers.reshape(local_devices, -1),
         embedding_ids=embedding_ids.reshape(local_devices, -1),

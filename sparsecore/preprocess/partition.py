@@ -1,8 +1,8 @@
 """Group one stack's ids by (SparseCore, partition), merge duplicates, count, and apply limits.
 
-Every id of a stack arrives in input order with the key
-`((local device * N + partition) * rows_per_shard + embedding id) * S + SparseCore`, its
-SparseCore-local sample id and its gain. Two stable sorts give the buffer order:
+Every id of a stack arrives in input order with a `KeyLayout` key (bit fields, most significant
+first: local device, partition, embedding id, SparseCore), its SparseCore-local sample id and its
+gain. Two stable sorts give the buffer order:
 
 1. by key: ids of one (device, partition, row) become adjacent -- one group per row a device
    looks up in a partition (the unique-row side-car reads these groups) -- and, inside, ids of one
@@ -24,9 +24,55 @@ import numpy as np
 
 from sparsecore.layout import StackedTable
 
-__all__ = ["MergedPairs", "PartitionLimitError", "merge_pairs", "stable_argsort"]
+__all__ = ["KeyLayout", "MergedPairs", "PartitionLimitError", "merge_pairs", "stable_argsort"]
 
 _DIGIT_BITS = 16
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Bit fields of the sort key of one id: local device | partition | embedding id (row in
+    the shard) | SparseCore of the device, most significant first. N and S are powers of two;
+    the row field is rows_per_shard rounded up to a power of two, so every field is a shift."""
+
+    local_devices: int
+    num_sparsecores: int
+    rows_per_shard: int
+    sparsecores_per_device: int
+
+    @property
+    def sc_bits(self) -> int:
+        return self.sparsecores_per_device.bit_length() - 1
+
+    @property
+    def row_bits(self) -> int:
+        return (self.rows_per_shard - 1).bit_length()
+
+    @property
+    def partition_bits(self) -> int:
+        return self.num_sparsecores.bit_length() - 1
+
+    @property
+    def bound(self) -> int:
+        """One past the largest key."""
+        return self.local_devices << (self.partition_bits + self.row_bits + self.sc_bits)
+
+    def sample_part(self, local_sparsecore: np.ndarray) -> np.ndarray:
+        """Key bits set by where a sample goes: its device and SparseCore."""
+        device = local_sparsecore >> self.sc_bits
+        shift = self.partition_bits + self.row_bits + self.sc_bits
+        return (device << shift) | (local_sparsecore & (self.sparsecores_per_device - 1))
+
+    def id_part(self, partition: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """Key bits set by the id: its partition and row in the partition's shard."""
+        return ((partition << self.row_bits) | row) << self.sc_bits
+
+    def device_partition(self, column_keys: np.ndarray) -> np.ndarray:
+        """device * N + partition, from keys shifted right by `sc_bits` (column keys)."""
+        return column_keys >> self.row_bits
+
+    def row(self, column_keys: np.ndarray) -> np.ndarray:
+        return column_keys & ((1 << self.row_bits) - 1)
 
 
 def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -93,9 +139,10 @@ class MergedPairs:
 
     `bucket` = local SparseCore * N + partition. `row_group` numbers the distinct (device,
     partition, embedding id) of each pair in ascending order; `row_group_key[g]` is group g's
-    `(device * N + partition) * rows_per_shard + embedding id`. `ids_per_bucket` /
-    `unique_per_bucket` count pairs / distinct columns per bucket BEFORE dropping ([L*S, N]);
-    `kept_per_bucket` counts the pairs that remain; `dropped_ids` counts raw ids dropped.
+    key without the SparseCore field (see `KeyLayout.device_partition` and `KeyLayout.row`).
+    `ids_per_bucket` / `unique_per_bucket` count pairs / distinct columns per bucket BEFORE
+    dropping ([L*S, N]); `kept_per_bucket` counts the pairs that remain; `dropped_ids` counts
+    raw ids dropped.
     """
 
     bucket: np.ndarray
@@ -196,16 +243,17 @@ def merge_pairs(
     `with_row_groups=False` skips the (device, partition, row) groups (`row_group` is then
     empty), which only the unique-row side-car needs.
     """
-    n, rows, per_device = stack.num_sparsecores, stack.rows_per_shard, sparsecores_per_device
-    sc_bits, n_bits = per_device.bit_length() - 1, n.bit_length() - 1
+    n, per_device = stack.num_sparsecores, sparsecores_per_device
+    layout = KeyLayout(local_devices, n, stack.rows_per_shard, per_device)
+    sc_bits, n_bits = layout.sc_bits, layout.partition_bits
     local_scs = local_devices * per_device
     order, starts, count, gain, new_column, sorted_keys, sorted_samples = _merge_runs(
-        keys, samples, gains, local_devices * n * rows * per_device
+        keys, samples, gains, layout.bound
     )
     pair_keys = sorted_keys[starts]
     column_keys = pair_keys >> sc_bits
-    device_partition = column_keys // rows
-    embedding_id = column_keys - device_partition * rows
+    device_partition = layout.device_partition(column_keys)
+    embedding_id = layout.row(column_keys)
     local_sc = (device_partition >> n_bits << sc_bits) | (pair_keys & (per_device - 1))
     bucket = (local_sc << n_bits) | (device_partition & (n - 1))
     buckets = local_scs * n

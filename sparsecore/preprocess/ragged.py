@@ -2,9 +2,9 @@
 
 `RaggedIds` is the input container (values + lengths or offsets, optional weights; int32 or
 int64 ids, float32 or float64 weights, all read with their real dtype). `expand_feature` checks
-it against its `FeaturePlacement` and returns, for every id in input order, the stack key
-`((local device * N + partition) * rows_per_shard + embedding id) * S + SparseCore`, the
-SparseCore-local sample id and the combiner gain. Every check names the feature and the
+it against its `FeaturePlacement` and returns, for every id in input order, its sort key (a
+`KeyLayout`: local device, partition, embedding id, SparseCore), the SparseCore-local sample id
+and the combiner gain. Every check names the feature and the
 offending value.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from sparsecore.layout import FeaturePlacement, StackedTable
 from sparsecore.preprocess.gains import combiner_gains
+from sparsecore.preprocess.partition import KeyLayout
 from sparsecore.topology import Topology
 
 __all__ = ["RaggedIds", "FeatureCoordinates", "expand_feature"]
@@ -159,18 +160,14 @@ def _check_weights(name: str, ids: RaggedIds) -> np.ndarray | None:
 
 
 def _row_coordinates(
-    rows: np.ndarray, placement: FeaturePlacement, stack: StackedTable, topology: Topology
+    rows: np.ndarray, placement: FeaturePlacement, layout: KeyLayout
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For output rows of one feature on this host: the part of the stack key that depends on
-    the row (device * N * rows_per_shard * S + SparseCore) and the SparseCore-local sample id."""
-    per_device = topology.sparsecores_per_device
+    """For output rows of one feature on this host: the key bits of their device and
+    SparseCore, and their SparseCore-local sample ids."""
     local_sc = rows // placement.samples_per_sparsecore
     sample = rows - local_sc * placement.samples_per_sparsecore
     sample += placement.sample_offset_in_sparsecore
-    device_stride = topology.num_sparsecores * stack.rows_per_shard * per_device
-    device = local_sc >> (per_device.bit_length() - 1)
-    row_keys = device * device_stride + (local_sc & (per_device - 1))
-    return row_keys, sample.astype(np.int32)
+    return layout.sample_part(local_sc), sample.astype(np.int32)
 
 
 def _sequence_rows(name: str, lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:
@@ -203,15 +200,17 @@ def expand_feature(
     values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
+    layout = KeyLayout(
+        topology.local_device_count, n, stack.rows_per_shard, topology.sparsecores_per_device
+    )
     if feature.is_sequence:
-        row_keys, samples = _row_coordinates(
-            _sequence_rows(name, lengths, feature.max_sequence_length), placement, stack, topology
-        )
+        rows = _sequence_rows(name, lengths, feature.max_sequence_length)
+        row_keys, samples = _row_coordinates(rows, placement, layout)
     else:
-        row_keys, samples = _row_coordinates(np.arange(num_samples), placement, stack, topology)
+        row_keys, samples = _row_coordinates(np.arange(num_samples), placement, layout)
         row_keys, samples = np.repeat(row_keys, lengths), np.repeat(samples, lengths)
-    column = ((values + placement.col_shift) & (n - 1)) * stack.rows_per_shard
-    column += (values >> (n.bit_length() - 1)) + table.row_offset_in_shard
-    keys = column * topology.sparsecores_per_device + row_keys
+    partition = (values + placement.col_shift) & (n - 1)
+    keys = layout.id_part(partition, (values >> (n.bit_length() - 1)) + table.row_offset_in_shard)
+    keys |= row_keys
     gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
     return FeatureCoordinates(keys, samples, gains)

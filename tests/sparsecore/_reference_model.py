@@ -46,10 +46,16 @@ class ModelOutput:
     entries: dict
 
 
-def preprocess_model(stack, inputs, topology, allow_id_dropping: bool, coo_size: int) -> ModelOutput:
+def preprocess_model(
+    stack, inputs, topology, allow_id_dropping: bool, coo_size: int
+) -> ModelOutput:
     """Expected buffers of one stack. `inputs[name]` = (list of per-sample id lists, list of
     per-sample weight lists or None)."""
-    g, l, s_per = topology.global_device_count, topology.local_device_count, topology.sparsecores_per_device
+    g, l, s_per = (
+        topology.global_device_count,
+        topology.local_device_count,
+        topology.sparsecores_per_device,
+    )
     n = g * s_per
     # entries[(d, s)][(p, emb, sample)] = [gain, raw count]
     entries: dict = {(d, s): {} for d in range(l) for s in range(s_per)}
@@ -60,14 +66,21 @@ def preprocess_model(stack, inputs, topology, allow_id_dropping: bool, coo_size:
         seq = feature.max_sequence_length
         q = fp.samples_per_sparsecore
         for b, sample in enumerate(ids):
-            w = [np.float32(1.0)] * len(sample) if weights is None else [np.float32(x) for x in weights[b]]
+            w = (
+                [np.float32(1.0)] * len(sample)
+                if weights is None
+                else [np.float32(x) for x in weights[b]]
+            )
             gains = w if seq else sample_gains(stack.combiner.value, w)
             for pos, (e, gain) in enumerate(zip(sample, gains)):
                 row = b * seq + pos if seq else b
                 local_sc, j = divmod(row, q)
                 d, s = divmod(local_sc, s_per)
-                key = ((int(e) + table.shard_rotation) % n, int(e) // n + table.row_offset_in_shard,
-                       fp.sample_offset_in_sparsecore + j)
+                key = (
+                    (int(e) + table.shard_rotation) % n,
+                    int(e) // n + table.row_offset_in_shard,
+                    fp.sample_offset_in_sparsecore + j,
+                )
                 slot = entries[(d, s)].setdefault(key, [np.float32(0.0), 0])
                 slot[0] = np.float32(slot[0] + gain)
                 slot[1] += 1
@@ -93,7 +106,9 @@ def preprocess_model(stack, inputs, topology, allow_id_dropping: bool, coo_size:
             pos = start
             for k, (key, (gain, count)) in enumerate(pairs, start=1):
                 rank = columns.index(key[1]) + 1
-                limited = k > stack.max_ids_per_partition or rank > stack.max_unique_ids_per_partition
+                limited = (
+                    k > stack.max_ids_per_partition or rank > stack.max_unique_ids_per_partition
+                )
                 if allow_id_dropping and limited or pos >= seg:
                     dropped += count
                     continue
@@ -103,4 +118,6 @@ def preprocess_model(stack, inputs, topology, allow_id_dropping: bool, coo_size:
                 pos += 1
             rp[d, s * r + p] = pos
         rp[d, s * r + n : (s + 1) * r] = _round8(pos)
-    return ModelOutput(rp, emb_buf, smp_buf, gain_buf, max_ids, max_unique, required, dropped, entries)
+    return ModelOutput(
+        rp, emb_buf, smp_buf, gain_buf, max_ids, max_unique, required, dropped, entries
+    )

@@ -17,7 +17,9 @@ def test_gains_match_the_model_bit_for_bit(combiner, weighted):
     lengths = rng.integers(0, 12, 3000)
     weights = None
     if weighted:
-        weights = (rng.random(lengths.sum()) * rng.choice([1e-3, 1.0, 1e3], lengths.sum())).astype(np.float32)
+        weights = (rng.random(lengths.sum()) * rng.choice([1e-3, 1.0, 1e3], lengths.sum())).astype(
+            np.float32
+        )
     gains = combiner_gains("f", combiner, lengths, weights)
     if gains is None:
         gains = np.ones(lengths.sum(), np.float32)
@@ -26,7 +28,9 @@ def test_gains_match_the_model_bit_for_bit(combiner, weighted):
         w = [np.float32(1)] * n if weights is None else list(weights[start : start + n])
         expected.extend(sample_gains(combiner.value, w))
         start += n
-    np.testing.assert_array_equal(gains.view(np.uint32), np.array(expected, np.float32).view(np.uint32))
+    np.testing.assert_array_equal(
+        gains.view(np.uint32), np.array(expected, np.float32).view(np.uint32)
+    )
 
 
 def test_sequence_features_take_their_weights_as_gains():

@@ -44,7 +44,9 @@ def run(name: str, allow_id_dropping: bool | None = None, stack_limits: str = "r
     c = golden.case(name)
     dropping = c["allow_id_dropping"] if allow_id_dropping is None else allow_id_dropping
     stacks = golden.stacks(name, stack_limits)
-    return preprocess(stacks, golden.inputs(name), golden.topology(name), allow_id_dropping=dropping)
+    return preprocess(
+        stacks, golden.inputs(name), golden.topology(name), allow_id_dropping=dropping
+    )
 
 
 def assert_same_float32_bits(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -54,7 +56,9 @@ def assert_same_float32_bits(actual: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_array_equal(actual[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
 
-def assert_buffers_match(name: str, stack: str, row_pointers, embedding_ids, sample_ids, gains) -> None:
+def assert_buffers_match(
+    name: str, stack: str, row_pointers, embedding_ids, sample_ids, gains
+) -> None:
     """Row pointers exactly; embedding ids, sample ids and gains in every defined slot."""
     c = golden.case(name)
     outputs = golden.npz(name, "outputs.npz")
@@ -64,8 +68,12 @@ def assert_buffers_match(name: str, stack: str, row_pointers, embedding_ids, sam
         np.testing.assert_array_equal(row_pointers[d], outputs[f"{prefix}/row_pointers"])
         for s, defined in enumerate(outputs[f"{prefix}/defined_len"]):
             region = slice(s * segment, s * segment + defined)
-            np.testing.assert_array_equal(embedding_ids[d, region], outputs[f"{prefix}/embedding_ids"][region])
-            np.testing.assert_array_equal(sample_ids[d, region], outputs[f"{prefix}/sample_ids"][region])
+            np.testing.assert_array_equal(
+                embedding_ids[d, region], outputs[f"{prefix}/embedding_ids"][region]
+            )
+            np.testing.assert_array_equal(
+                sample_ids[d, region], outputs[f"{prefix}/sample_ids"][region]
+            )
             assert_same_float32_bits(gains[d, region], outputs[f"{prefix}/gains"][region])
 
 
@@ -74,21 +82,32 @@ def assert_matches_outputs(name: str, batches) -> None:
     assert sorted(batches) == sorted(c["buffers"])
     for stack, expected_sizes in c["buffers"].items():
         batch = batches[stack]
-        assert batch.sizes.row_pointers_size_per_device == expected_sizes["row_pointers_size_per_device"]
-        assert batch.sizes.coo_buffer_size_per_device == expected_sizes["coo_buffer_size_per_device"]
+        assert (
+            batch.sizes.row_pointers_size_per_device
+            == expected_sizes["row_pointers_size_per_device"]
+        )
+        assert (
+            batch.sizes.coo_buffer_size_per_device == expected_sizes["coo_buffer_size_per_device"]
+        )
         assert batch.sizes.batch_size_per_sparsecore == expected_sizes["batch_size_per_sc"]
         assert_buffers_match(
             name, stack, batch.row_pointers, batch.embedding_ids, batch.sample_ids, batch.gains
         )
         stats = c["stats"][stack]
-        np.testing.assert_array_equal(batch.stats.max_ids_per_partition.reshape(-1), stats["max_ids_per_partition"])
         np.testing.assert_array_equal(
-            batch.stats.max_unique_ids_per_partition.reshape(-1), stats["max_unique_ids_per_partition"]
+            batch.stats.max_ids_per_partition.reshape(-1), stats["max_ids_per_partition"]
         )
         np.testing.assert_array_equal(
-            batch.stats.required_buffer_size_per_sparsecore.reshape(-1), stats["required_buffer_size_per_sc"]
+            batch.stats.max_unique_ids_per_partition.reshape(-1),
+            stats["max_unique_ids_per_partition"],
         )
-        assert batch.stats.required_buffer_size_per_device == stats["required_buffer_size_per_device"]
+        np.testing.assert_array_equal(
+            batch.stats.required_buffer_size_per_sparsecore.reshape(-1),
+            stats["required_buffer_size_per_sc"],
+        )
+        assert (
+            batch.stats.required_buffer_size_per_device == stats["required_buffer_size_per_device"]
+        )
         assert batch.stats.id_drop_count == stats["id_drop_counters"]
 
 
@@ -128,12 +147,24 @@ def test_stacking_decisions_match_library(name):
             for t in expected["tables"]
         ]
         assert [
-            (f.feature.name, f.row_offset, f.col_offset, f.col_shift, f.samples_per_sparsecore,
-             f.sample_offset_in_sparsecore)
+            (
+                f.feature.name,
+                f.row_offset,
+                f.col_offset,
+                f.col_shift,
+                f.samples_per_sparsecore,
+                f.sample_offset_in_sparsecore,
+            )
             for f in stack.features
         ] == [
-            (f["name"], f["row_offset"], f["col_offset"], f["col_shift"], f["samples_per_sc"],
-             f["sample_offset_in_sc"])
+            (
+                f["name"],
+                f["row_offset"],
+                f["col_offset"],
+                f["col_shift"],
+                f["samples_per_sc"],
+                f["sample_offset_in_sc"],
+            )
             for f in expected["features"]
         ]
 
@@ -144,10 +175,16 @@ def test_reference_model_agrees_with_golden(name):
     c = golden.case(name)
     for stack in golden.stacks(name):
         size = c["buffers"][stack.name]["coo_buffer_size_per_device"]
-        model = preprocess_model(stack, model_inputs(name), golden.topology(name), c["allow_id_dropping"], size)
-        assert_buffers_match(name, stack.name, model.row_pointers, model.embedding_ids, model.sample_ids, model.gains)
+        model = preprocess_model(
+            stack, model_inputs(name), golden.topology(name), c["allow_id_dropping"], size
+        )
+        assert_buffers_match(
+            name, stack.name, model.row_pointers, model.embedding_ids, model.sample_ids, model.gains
+        )
         assert model.dropped == c["stats"][stack.name]["id_drop_counters"]
-        np.testing.assert_array_equal(model.max_ids.reshape(-1), c["stats"][stack.name]["max_ids_per_partition"])
+        np.testing.assert_array_equal(
+            model.max_ids.reshape(-1), c["stats"][stack.name]["max_ids_per_partition"]
+        )
 
 
 def test_p29_limit_exceeded_raises_naming_feature_table_observed_and_configured():
@@ -163,13 +200,16 @@ def test_p29_limit_exceeded_raises_naming_feature_table_observed_and_configured(
 
 def test_p29_input_with_dropping_is_p30():
     assert_matches_outputs(
-        "p30_limit_max_ids_dropping_d1_sc2", run("p29_limit_max_ids_error_d1_sc2", allow_id_dropping=True)
+        "p30_limit_max_ids_dropping_d1_sc2",
+        run("p29_limit_max_ids_error_d1_sc2", allow_id_dropping=True),
     )
 
 
 def test_p43_non_power_of_two_sparsecores_raises_value_error():
     topology = golden.case("p43_error_num_scs_not_power_of_two")["topology"]
-    with pytest.raises(ValueError, match=r"Total number of SparseCores \(6 = 3 devices x 2 .*power of 2"):
+    with pytest.raises(
+        ValueError, match=r"Total number of SparseCores \(6 = 3 devices x 2 .*power of 2"
+    ):
         Topology.cpu(topology["global_device_count"], topology["num_sc_per_device"])
 
 
@@ -181,7 +221,9 @@ def test_p35_undersized_buffer_raises_without_dropping():
 
 
 def test_p35_undersized_buffer_with_dropping_matches_reference_drops():
-    assert_matches_outputs("p35_static_buffer_overflow_d1_sc2", run("p35_static_buffer_overflow_d1_sc2", True))
+    assert_matches_outputs(
+        "p35_static_buffer_overflow_d1_sc2", run("p35_static_buffer_overflow_d1_sc2", True)
+    )
 
 
 def test_p45_int64_ragged_ids_are_read_as_int64_not_reinterpreted():
@@ -197,7 +239,9 @@ def test_p45_int64_ragged_ids_are_read_as_int64_not_reinterpreted():
         for i in (0, 1, 2, segment, segment + 8)
     ]
     assert entries == [(1, 0, 1.0), (2, 0, 1.0), (3, 1, 1.0), (1, 1, 1.0), (4, 0, 3.0)]
-    model = preprocess_model(golden.stacks(name)[0], model_inputs(name), golden.topology(name), False, 2 * segment)
+    model = preprocess_model(
+        golden.stacks(name)[0], model_inputs(name), golden.topology(name), False, 2 * segment
+    )
     np.testing.assert_array_equal(batch.row_pointers, model.row_pointers)
     np.testing.assert_array_equal(batch.embedding_ids, model.embedding_ids)
     misread = golden.npz(name, "outputs.npz")["t/dev0/row_pointers"]
@@ -211,7 +255,9 @@ def test_p37_two_pass_limit_update_reproduces_library_limits():
     expected = c["fdo_first_pass"]["stats"]
     for stack in golden.stacks(name, "first_pass"):
         stats = first[stack.name].stats
-        np.testing.assert_array_equal(stats.max_ids_per_partition.reshape(-1), expected["max_ids_per_partition"][stack.name])
+        np.testing.assert_array_equal(
+            stats.max_ids_per_partition.reshape(-1), expected["max_ids_per_partition"][stack.name]
+        )
         updated = update_limits(stack, stats, margin=1.0)
         recorded = next(s for s in c["stacking"]["stacked_tables"] if s["stack_name"] == stack.name)
         assert (
@@ -237,21 +283,31 @@ def test_layout_cases(name):
         return
     specs = [TableSpec(x["name"], x["vocabulary_size"], x["embedding_dim"]) for x in c["tables"]]
     features = [FeatureSpec(f"f_{s.name}", s, topology.num_sparsecores) for s in specs]
-    group = StackGroup(tuple(s.name for s in specs), rotation=c["stacked_table"]["rotation_argument"])
+    group = StackGroup(
+        tuple(s.name for s in specs), rotation=c["stacked_table"]["rotation_argument"]
+    )
     (stack,) = stack_tables(features, topology, [group])
     assert stack.name == c["stacked_table"]["stack_name"]
     assert stack.rows_per_shard == c["stacked_table"]["rows_per_shard"]
     for expected in c["tables"]:
         placement = stack.table(expected["name"])
-        assert (placement.padded_vocabulary_size, placement.row_offset_in_shard, placement.shard_rotation) == (
-            expected["padded_vocab_size"], expected["row_offset_in_shard"], expected["shard_rotation"]
+        assert (
+            placement.padded_vocabulary_size,
+            placement.row_offset_in_shard,
+            placement.shard_rotation,
+        ) == (
+            expected["padded_vocab_size"],
+            expected["row_offset_in_shard"],
+            expected["shard_rotation"],
         )
     values = {s.name: data[f"table/{s.name}"] for s in specs}
     stacked = stack_and_shard(stack, values)
     np.testing.assert_array_equal(stacked, data["stacked_shards"])
     np.testing.assert_array_equal(stacked.reshape(-1, stack.embedding_dim), data["stacked_global"])
     for s in specs:
-        np.testing.assert_array_equal(physical_row_ids(stack, s.name), data[f"physical_row_ids/{s.name}"])
+        np.testing.assert_array_equal(
+            physical_row_ids(stack, s.name), data[f"physical_row_ids/{s.name}"]
+        )
     back = unshard_and_unstack(stack, data["stacked_global"])
     for s in specs:
         np.testing.assert_array_equal(back[s.name], values[s.name])

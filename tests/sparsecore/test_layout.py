@@ -36,9 +36,15 @@ TOPOLOGIES = st.sampled_from([(1, 1), (1, 4), (2, 2), (2, 4), (8, 1), (8, 4)])
 def test_shard_table_round_trip(devices_and_scs, rows_per_shard, dim, seed):
     topology = Topology.cpu(*devices_and_scs)
     n = topology.num_sparsecores
-    table = np.random.default_rng(seed).standard_normal((rows_per_shard * n, dim)).astype(np.float32)
+    table = (
+        np.random.default_rng(seed).standard_normal((rows_per_shard * n, dim)).astype(np.float32)
+    )
     sharded = shard_table(table, topology)
-    assert sharded.shape == (topology.global_device_count, topology.sparsecores_per_device * rows_per_shard, dim)
+    assert sharded.shape == (
+        topology.global_device_count,
+        topology.sparsecores_per_device * rows_per_shard,
+        dim,
+    )
     # Row r lives on SparseCore r mod N at local row r div N.
     shards = sharded.reshape(n, rows_per_shard, dim)
     r = np.arange(len(table))
@@ -61,8 +67,13 @@ def test_stack_and_shard_round_trip(devices_and_scs, shapes, rotation, seed):
     rng = np.random.default_rng(seed)
     specs = [TableSpec(f"t{i}", vocab, dim) for i, (vocab, dim) in enumerate(shapes)]
     features = [FeatureSpec(f"f{i}", s, topology.num_sparsecores) for i, s in enumerate(specs)]
-    (stack,) = stack_tables(features, topology, [StackGroup(tuple(s.name for s in specs), rotation=rotation)])
-    tables = {s.name: rng.standard_normal((s.vocabulary_size, s.embedding_dim)).astype(np.float32) for s in specs}
+    (stack,) = stack_tables(
+        features, topology, [StackGroup(tuple(s.name for s in specs), rotation=rotation)]
+    )
+    tables = {
+        s.name: rng.standard_normal((s.vocabulary_size, s.embedding_dim)).astype(np.float32)
+        for s in specs
+    }
     row_slots = {s.name: rng.random(s.vocabulary_size).astype(np.float32) for s in specs}
     stacked = stack_and_shard(stack, tables)
     assert stacked.shape == (topology.num_sparsecores, stack.rows_per_shard, stack.embedding_dim)
@@ -70,7 +81,9 @@ def test_stack_and_shard_round_trip(devices_and_scs, shapes, rotation, seed):
     for name, table in tables.items():
         np.testing.assert_array_equal(back[name], table)
         rows = physical_row_ids(stack, name)
-        np.testing.assert_array_equal(stacked.reshape(-1, stack.embedding_dim)[rows, : table.shape[1]], table)
+        np.testing.assert_array_equal(
+            stacked.reshape(-1, stack.embedding_dim)[rows, : table.shape[1]], table
+        )
     # Every slot not holding a table value is padding.
     assert np.isnan(stacked).sum() == stacked.size - sum(t.size for t in tables.values())
     # Row-wise optimizer slots share the row layout.
@@ -78,7 +91,9 @@ def test_stack_and_shard_round_trip(devices_and_scs, shapes, rotation, seed):
     assert stacked_slots.shape == (topology.num_sparsecores, stack.rows_per_shard)
     for name, slot in unshard_and_unstack(stack, stacked_slots, per_row=True).items():
         np.testing.assert_array_equal(slot, row_slots[name])
-        np.testing.assert_array_equal(stacked_slots.reshape(-1)[physical_row_ids(stack, name)], row_slots[name])
+        np.testing.assert_array_equal(
+            stacked_slots.reshape(-1)[physical_row_ids(stack, name)], row_slots[name]
+        )
     column_slots = {k: v[:, None] for k, v in row_slots.items()}
     assert stack_and_shard(stack, column_slots, per_row=True).shape[-1] == 1
 
@@ -86,11 +101,16 @@ def test_stack_and_shard_round_trip(devices_and_scs, shapes, rotation, seed):
 def test_stack_and_shard_checks_values():
     topology = Topology.cpu(1, 4)
     specs = [TableSpec("a", 30, 8), TableSpec("b", 20, 4)]
-    (stack,) = stack_tables([FeatureSpec("fa", specs[0], 4), FeatureSpec("fb", specs[1], 4)], topology,
-                            [StackGroup(("a", "b"))])
+    (stack,) = stack_tables(
+        [FeatureSpec("fa", specs[0], 4), FeatureSpec("fb", specs[1], 4)],
+        topology,
+        [StackGroup(("a", "b"))],
+    )
     with pytest.raises(ValueError, match=r"missing values for \['b'\], unexpected \['c'\]"):
         stack_and_shard(stack, {"a": np.zeros((30, 8)), "c": np.zeros((20, 4))})
-    with pytest.raises(ValueError, match=r"table 'b': expected \[V, dim\] = \(20, 4\), got shape \(20, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"table 'b': expected \[V, dim\] = \(20, 4\), got shape \(20, 5\)"
+    ):
         stack_and_shard(stack, {"a": np.zeros((30, 8)), "b": np.zeros((20, 5))})
     with pytest.raises(ValueError, match="expected \\[V\\] or \\[V, 1\\]"):
         stack_and_shard(stack, {"a": np.zeros((30, 2)), "b": np.zeros((20, 2))}, per_row=True)
@@ -110,15 +130,21 @@ def test_stacking_offsets_rotation_and_feature_placement():
     assert [f.name for f in flatten_features(features)] == ["w", "x", "y", "z"]
     (stack,) = stack_tables(features, topology, [StackGroup(("a", "b", "c"))])
     assert stack.name == "a_b_c"
-    assert [(t.padded_vocabulary_size, t.row_offset_in_shard, t.shard_rotation) for t in stack.tables] == [
-        (128, 0, 0), (32, 32, 2), (64, 40, 0)
-    ]
+    assert [
+        (t.padded_vocabulary_size, t.row_offset_in_shard, t.shard_rotation) for t in stack.tables
+    ] == [(128, 0, 0), (32, 32, 2), (64, 40, 0)]
     assert (stack.vocabulary_size, stack.rows_per_shard, stack.embedding_dim) == (224, 56, 8)
     assert [(f.feature.name, f.row_offset, f.col_offset, f.col_shift) for f in stack.features] == [
-        ("w", 0, 0, 0), ("x", 8, 160, 0), ("y", 20, 128, 2), ("z", 28, 0, 0)
+        ("w", 0, 0, 0),
+        ("x", 8, 160, 0),
+        ("y", 20, 128, 2),
+        ("z", 28, 0, 0),
     ]
     assert [(f.samples_per_sparsecore, f.sample_offset_in_sparsecore) for f in stack.features] == [
-        (2, 0), (3, 2), (2, 5), (4, 7)
+        (2, 0),
+        (3, 2),
+        (2, 5),
+        (4, 7),
     ]
     assert (stack.total_sample_count, stack.batch_size_per_sparsecore) == (44, 11)
     shard, local = shard_and_local_row(stack, "b", np.array([0, 1, 5, 9]))
@@ -128,23 +154,40 @@ def test_stacking_offsets_rotation_and_feature_placement():
 
 def test_stack_keeps_per_table_limits_and_sums_them_by_default():
     topology = Topology.cpu(1, 4)
-    a = TableSpec("a", 40, 8, max_ids_per_partition=30, max_unique_ids_per_partition=10,
-                  suggested_coo_buffer_size_per_device=64)
-    b = TableSpec("b", 40, 8, max_ids_per_partition=50, max_unique_ids_per_partition=20,
-                  suggested_coo_buffer_size_per_device=96)
+    a = TableSpec(
+        "a",
+        40,
+        8,
+        max_ids_per_partition=30,
+        max_unique_ids_per_partition=10,
+        suggested_coo_buffer_size_per_device=64,
+    )
+    b = TableSpec(
+        "b",
+        40,
+        8,
+        max_ids_per_partition=50,
+        max_unique_ids_per_partition=20,
+        suggested_coo_buffer_size_per_device=96,
+    )
     features = [FeatureSpec("fa", a, 8), FeatureSpec("fb", b, 8)]
     (stack,) = stack_tables(features, topology, [StackGroup(("a", "b"))])
     assert (stack.max_ids_per_partition, stack.max_unique_ids_per_partition) == (80, 30)
     assert stack.suggested_coo_buffer_size_per_device == 160
-    assert [(t.table.max_ids_per_partition, t.table.max_unique_ids_per_partition) for t in stack.tables] == [
-        (30, 10), (50, 20)
-    ]
-    (overridden,) = stack_tables(features, topology, [StackGroup(("a", "b"), max_ids_per_partition=7)])
-    assert (overridden.max_ids_per_partition, overridden.tables[1].table.max_ids_per_partition) == (7, 50)
+    assert [
+        (t.table.max_ids_per_partition, t.table.max_unique_ids_per_partition) for t in stack.tables
+    ] == [(30, 10), (50, 20)]
+    (overridden,) = stack_tables(
+        features, topology, [StackGroup(("a", "b"), max_ids_per_partition=7)]
+    )
+    assert (overridden.max_ids_per_partition, overridden.tables[1].table.max_ids_per_partition) == (
+        7,
+        50,
+    )
     alone = stack_tables(features, topology)
-    assert [(s.name, s.max_ids_per_partition, s.suggested_coo_buffer_size_per_device) for s in alone] == [
-        ("a", 30, 64), ("b", 50, 96)
-    ]
+    assert [
+        (s.name, s.max_ids_per_partition, s.suggested_coo_buffer_size_per_device) for s in alone
+    ] == [("a", 30, 64), ("b", 50, 96)]
     updated = stack.with_limits(9, 8, None, {"b": (5, 4)})
     assert [t.table.max_ids_per_partition for t in updated.tables] == [30, 5]
     assert updated.features[1].feature.table.max_ids_per_partition == 5
@@ -164,10 +207,18 @@ def test_auto_stacking_groups_by_padded_dim_optimizer_and_combiner_in_first_use_
     features = {f"f{i}": FeatureSpec(f"f{i}", t, 8) for i, t in enumerate(tables)}
     groups = auto_stack_groups(features, topology)
     assert [g.tables for g in groups] == [
-        ("zeta", "alpha", "beta"), ("wide",), ("mean",), ("ada",), ("slow",)
+        ("zeta", "alpha", "beta"),
+        ("wide",),
+        ("mean",),
+        ("ada",),
+        ("slow",),
     ]
     assert [s.name for s in auto_stack_tables(features, topology)] == [
-        "zeta_alpha_beta", "wide", "mean", "ada", "slow"
+        "zeta_alpha_beta",
+        "wide",
+        "mean",
+        "ada",
+        "slow",
     ]
 
 
@@ -204,8 +255,12 @@ def test_alignment_comes_from_the_chip():
     ],
 )
 def test_stacking_errors(groups, match):
-    tables = [TableSpec("a", 8, 8), TableSpec("b", 8, 8), TableSpec("m", 8, 8, combiner="mean"),
-              TableSpec("o", 8, 8, optimizer="adagrad")]
+    tables = [
+        TableSpec("a", 8, 8),
+        TableSpec("b", 8, 8),
+        TableSpec("m", 8, 8, combiner="mean"),
+        TableSpec("o", 8, 8, optimizer="adagrad"),
+    ]
     features = [FeatureSpec(f"f_{t.name}", t, 4) for t in tables]
     with pytest.raises(ValueError, match=match):
         stack_tables(features, Topology.cpu(1, 4), groups)
@@ -222,8 +277,13 @@ def test_feature_errors():
     with pytest.raises(ValueError, match=r"feature name\(s\) \['f'\] used more than once"):
         stack_tables([FeatureSpec("f", table, 8), FeatureSpec("f", table, 8)], topology)
     with pytest.raises(ValueError, match="two different tables are named 't'"):
-        stack_tables([FeatureSpec("f", table, 8), FeatureSpec("g", TableSpec("t", 9, 8), 8)], topology)
-    with pytest.raises(ValueError, match="feature 'f': its 12 output rows per step cannot be split evenly over the 8"):
+        stack_tables(
+            [FeatureSpec("f", table, 8), FeatureSpec("g", TableSpec("t", 9, 8), 8)], topology
+        )
+    with pytest.raises(
+        ValueError,
+        match="feature 'f': its 12 output rows per step cannot be split evenly over the 8",
+    ):
         stack_tables([FeatureSpec("f", table, 12)], topology)
     with pytest.raises(ValueError, match="feature 's': its 20 output rows"):
         stack_tables([FeatureSpec("s", table, 4, max_sequence_length=5)], topology)

@@ -39,20 +39,56 @@ def lengths_input(values, lengths, weights=None):
 @pytest.mark.parametrize(
     "ids, match",
     [
-        (lengths_input([1, 64], [1, 1, 0, 0]), r"feature 'f': id 64 \(position 1\) is outside the vocabulary \[0, 64\) of table 't'"),
-        (lengths_input([-3, 1], [1, 1, 0, 0]), r"feature 'f': id -3 \(position 0\) is outside the vocabulary"),
+        (
+            lengths_input([1, 64], [1, 1, 0, 0]),
+            r"feature 'f': id 64 \(position 1\) is outside the vocabulary \[0, 64\) of table 't'",
+        ),
+        (
+            lengths_input([-3, 1], [1, 1, 0, 0]),
+            r"feature 'f': id -3 \(position 0\) is outside the vocabulary",
+        ),
         (lengths_input([1, 2], [3, -1, 0, 0]), "feature 'f': sample 1 has negative length -1"),
-        (lengths_input([1, 2], [1, 0, 0, 0]), "feature 'f': lengths sum to 1 but there are 2 values"),
-        (lengths_input([1, 2], [1, 1, 0]), "feature 'f': expected 4 samples on this host, got 3 lengths"),
-        (lengths_input([1.0, 2.0], [1, 1, 0, 0]), "feature 'f': ids must be a 1-D integer array, got float64"),
+        (
+            lengths_input([1, 2], [1, 0, 0, 0]),
+            "feature 'f': lengths sum to 1 but there are 2 values",
+        ),
+        (
+            lengths_input([1, 2], [1, 1, 0]),
+            "feature 'f': expected 4 samples on this host, got 3 lengths",
+        ),
+        (
+            lengths_input([1.0, 2.0], [1, 1, 0, 0]),
+            "feature 'f': ids must be a 1-D integer array, got float64",
+        ),
         (lengths_input([[1, 2]], [1, 1, 0, 0]), "feature 'f': ids must be a 1-D integer array"),
-        (lengths_input([1, 2], [1.0, 1.0, 0, 0]), "feature 'f': lengths must be a 1-D integer array"),
-        (RaggedIds(np.array([1, 2]), offsets=np.array([0, 1, 2, 2])), "feature 'f': expected 5 offsets for 4 samples"),
-        (RaggedIds(np.array([1, 2]), offsets=np.array([1, 1, 2, 2, 2])), r"offsets must run from 0 to the 2 values, got 1\.\.2"),
-        (RaggedIds(np.array([1, 2]), offsets=np.array([0, 2, 1, 2, 2])), "sample 1 has negative length -1"),
-        (lengths_input([1, 2], [1, 1, 0, 0], np.array([1, 2])), "feature 'f': weights must be floats shaped like the ids"),
-        (lengths_input([1, 2], [1, 1, 0, 0], np.ones(3)), "feature 'f': weights must be floats shaped like the ids"),
-        (lengths_input([1, 2], [1, 1, 0, 0], np.array([1.0, np.inf])), "feature 'f': weight inf at position 1 is not finite"),
+        (
+            lengths_input([1, 2], [1.0, 1.0, 0, 0]),
+            "feature 'f': lengths must be a 1-D integer array",
+        ),
+        (
+            RaggedIds(np.array([1, 2]), offsets=np.array([0, 1, 2, 2])),
+            "feature 'f': expected 5 offsets for 4 samples",
+        ),
+        (
+            RaggedIds(np.array([1, 2]), offsets=np.array([1, 1, 2, 2, 2])),
+            r"offsets must run from 0 to the 2 values, got 1\.\.2",
+        ),
+        (
+            RaggedIds(np.array([1, 2]), offsets=np.array([0, 2, 1, 2, 2])),
+            "sample 1 has negative length -1",
+        ),
+        (
+            lengths_input([1, 2], [1, 1, 0, 0], np.array([1, 2])),
+            "feature 'f': weights must be floats shaped like the ids",
+        ),
+        (
+            lengths_input([1, 2], [1, 1, 0, 0], np.ones(3)),
+            "feature 'f': weights must be floats shaped like the ids",
+        ),
+        (
+            lengths_input([1, 2], [1, 1, 0, 0], np.array([1.0, np.inf])),
+            "feature 'f': weight inf at position 1 is not finite",
+        ),
     ],
 )
 def test_bad_input_is_rejected_naming_the_feature(ids, match):
@@ -70,8 +106,16 @@ def test_ragged_ids_needs_exactly_one_split():
 @pytest.mark.parametrize(
     "combiner, weights, match",
     [
-        ("mean", [1.0, -1.0, 2.0], "feature 'f': sample 0 has 2 id\\(s\\) whose sum of weights is 0, so its mean"),
-        ("sqrtn", [0.0, 0.0, 2.0], "sample 0 has 2 id\\(s\\) whose sum of squared weights is 0, so its sqrtn"),
+        (
+            "mean",
+            [1.0, -1.0, 2.0],
+            "feature 'f': sample 0 has 2 id\\(s\\) whose sum of weights is 0, so its mean",
+        ),
+        (
+            "sqrtn",
+            [0.0, 0.0, 2.0],
+            "sample 0 has 2 id\\(s\\) whose sum of squared weights is 0, so its sqrtn",
+        ),
     ],
 )
 def test_undefined_combiner_divisor_is_an_error(combiner, weights, match):
@@ -97,7 +141,9 @@ def test_stack_for_another_topology_is_rejected():
 def test_sequence_longer_than_its_maximum_is_rejected():
     table = TableSpec("t", 64, 8)
     stacks = stack_tables([FeatureSpec("f", table, 2, max_sequence_length=2)], TOPOLOGY)
-    with pytest.raises(ValueError, match="feature 'f': sample 1 has 3 ids, more than its max_sequence_length 2"):
+    with pytest.raises(
+        ValueError, match="feature 'f': sample 1 has 3 ids, more than its max_sequence_length 2"
+    ):
         preprocess(stacks, {"f": lengths_input([1, 2, 3, 4], [1, 3])}, TOPOLOGY)
 
 
@@ -110,10 +156,15 @@ def test_sequence_feature_gives_each_position_its_own_row_and_its_weight_as_gain
     segment = batch.sizes.coo_buffer_size_per_sparsecore
     assert batch.row_pointers[0, :2].tolist() == [2, 8]
     assert list(zip(batch.embedding_ids[0, :2], batch.sample_ids[0, :2], batch.gains[0, :2])) == [
-        (2, 0, 0.5), (2, 1, 0.25)
+        (2, 0, 0.5),
+        (2, 1, 0.25),
     ]
     assert batch.row_pointers[0, 8:10].tolist() == [0, 1]
-    assert (batch.embedding_ids[0, segment], batch.sample_ids[0, segment], batch.gains[0, segment]) == (3, 0, 2.0)
+    assert (
+        batch.embedding_ids[0, segment],
+        batch.sample_ids[0, segment],
+        batch.gains[0, segment],
+    ) == (3, 0, 2.0)
 
 
 def test_int64_ids_beyond_int32_and_float64_weights_are_read_as_such():
@@ -122,13 +173,17 @@ def test_int64_ids_beyond_int32_and_float64_weights_are_read_as_such():
     stacks = stack_tables([FeatureSpec("f", table, 8)], topology)
     values = np.array([2**33 + 5, 2**32 + 13, 7], dtype=np.int64)
     weights = np.array([0.1, 1e-3, 3.0], dtype=np.float64)
-    batch = preprocess(stacks, {"f": lengths_input(values, [3, 0, 0, 0, 0, 0, 0, 0], weights)}, topology)["big"]
+    batch = preprocess(
+        stacks, {"f": lengths_input(values, [3, 0, 0, 0, 0, 0, 0, 0], weights)}, topology
+    )["big"]
     entries = [(int(p), int(e), float(g)) for p, e, g in decode_single_sparsecore(batch, 0, 0)]
-    assert sorted(entries) == sorted([
-        (5, (2**33 + 5) // 8, float(np.float32(0.1))),
-        (5, (2**32 + 13) // 8, float(np.float32(1e-3))),
-        (7, 0, 3.0),
-    ])
+    assert sorted(entries) == sorted(
+        [
+            (5, (2**33 + 5) // 8, float(np.float32(0.1))),
+            (5, (2**32 + 13) // 8, float(np.float32(1e-3))),
+            (7, 0, 3.0),
+        ]
+    )
 
 
 def decode_single_sparsecore(batch, device, sparsecore):
@@ -157,8 +212,18 @@ def two_feature_stack(max_ids=8, max_unique=8, **group):
     topology = Topology.cpu(1, 2)
     a, b = TableSpec("a", 64, 8), TableSpec("b", 32, 8)
     features = [FeatureSpec("fa", a, 4), FeatureSpec("fb", b, 4)]
-    stacks = stack_tables(features, topology, [StackGroup(("a", "b"), max_ids_per_partition=max_ids,
-                                                           max_unique_ids_per_partition=max_unique, **group)])
+    stacks = stack_tables(
+        features,
+        topology,
+        [
+            StackGroup(
+                ("a", "b"),
+                max_ids_per_partition=max_ids,
+                max_unique_ids_per_partition=max_unique,
+                **group,
+            )
+        ],
+    )
     return stacks, topology
 
 
@@ -170,7 +235,11 @@ def test_limit_error_names_stack_tables_features_observed_and_configured():
     }
     with pytest.raises(PartitionLimitError) as error:
         preprocess(stacks, inputs, topology)
-    assert (error.value.limit, error.value.observed, error.value.configured) == ("max_unique_ids_per_partition", 4, 2)
+    assert (error.value.limit, error.value.observed, error.value.configured) == (
+        "max_unique_ids_per_partition",
+        4,
+        2,
+    )
     assert (error.value.device, error.value.sparsecore, error.value.partition) == (0, 0, 0)
     assert error.value.features == ("fa",)
     assert "stacked table 'a_b' (tables a, b; features fa)" in str(error.value)
@@ -184,7 +253,9 @@ def test_buffer_overflow_raises_or_drops_and_counts():
     # 2 SparseCores per device: the suggested 8 slots round up to 16, i.e. 8 per SparseCore.
     stacks = one_stack(batch=2, suggested_coo_buffer_size_per_device=8)
     ids = lengths_input(np.arange(0, 40, 2), [20, 0])  # 20 rows of partition 0 on SparseCore 0
-    with pytest.raises(BufferOverflowError, match=r"SparseCore 0 needs 24 COO slots but its segment holds 8"):
+    with pytest.raises(
+        BufferOverflowError, match=r"SparseCore 0 needs 24 COO slots but its segment holds 8"
+    ):
         run(ids, stacks)
     batch = run(ids, stacks, allow_id_dropping=True)["t"]
     assert batch.sizes.coo_buffer_size_per_device == 16
@@ -209,9 +280,10 @@ def test_per_table_stats_and_update_limits():
     assert stats.table_max_unique_ids_per_partition == {"a": 3, "b": 2}
     updated = update_limits(stack, stats, margin=1.5)
     assert (updated.max_ids_per_partition, updated.max_unique_ids_per_partition) == (5, 5)
-    assert [(t.table.max_ids_per_partition, t.table.max_unique_ids_per_partition) for t in updated.tables] == [
-        (5, 5), (3, 3)
-    ]
+    assert [
+        (t.table.max_ids_per_partition, t.table.max_unique_ids_per_partition)
+        for t in updated.tables
+    ] == [(5, 5), (3, 3)]
     assert updated.suggested_coo_buffer_size_per_device == 2 * 24
     again = preprocess((updated,), inputs, topology)["a_b"]
     np.testing.assert_array_equal(again.stats.max_ids_per_partition, stats.max_ids_per_partition)
@@ -237,15 +309,21 @@ def test_unique_rows_side_car_is_consistent_with_the_buffers():
         for d in range(2):
             real = batch.embedding_ids[d] != PAD_ID
             flat = unique.unique_ids[d].reshape(-1)
-            np.testing.assert_array_equal(flat[unique.entry_unique_index[d, real]], batch.embedding_ids[d, real])
+            np.testing.assert_array_equal(
+                flat[unique.entry_unique_index[d, real]], batch.embedding_ids[d, real]
+            )
             assert np.all(unique.entry_unique_index[d, ~real] == PAD_ID)
             for p in range(n):
                 count = unique.unique_counts[d, p]
                 rows = unique.unique_ids[d, p, :count]
-                assert np.all(np.diff(rows) > 0) and np.all(unique.unique_ids[d, p, count:] == PAD_ID)
+                assert np.all(np.diff(rows) > 0) and np.all(
+                    unique.unique_ids[d, p, count:] == PAD_ID
+                )
                 in_partition = (unique.entry_unique_index[d] // width == p) & real
                 assert set(batch.embedding_ids[d, in_partition]) == set(rows)
-    without = preprocess(stacks, {"f": ids}, topology, allow_id_dropping=True, with_unique_rows=False)["t"]
+    without = preprocess(
+        stacks, {"f": ids}, topology, allow_id_dropping=True, with_unique_rows=False
+    )["t"]
     assert without.unique is None
     np.testing.assert_array_equal(without.embedding_ids, batch.embedding_ids)
 
@@ -253,14 +331,19 @@ def test_unique_rows_side_car_is_consistent_with_the_buffers():
 def test_threads_give_identical_results():
     topology = Topology.cpu(2, 4)
     rng = np.random.default_rng(0)
-    tables = [TableSpec(f"t{i}", 500, 8, combiner=c) for i, c in enumerate(["sum", "mean", "sqrtn"])]
+    tables = [
+        TableSpec(f"t{i}", 500, 8, combiner=c) for i, c in enumerate(["sum", "mean", "sqrtn"])
+    ]
     features = [FeatureSpec(f"f{i}", t, 64) for i, t in enumerate(tables)]
     stacks = stack_tables(features, topology)
     inputs = {}
     for f in features:
         lengths = rng.integers(0, 5, 64)
-        inputs[f.name] = lengths_input(rng.integers(0, 500, lengths.sum()), lengths,
-                                       rng.random(lengths.sum()).astype(np.float32) + 0.5)
+        inputs[f.name] = lengths_input(
+            rng.integers(0, 500, lengths.sum()),
+            lengths,
+            rng.random(lengths.sum()).astype(np.float32) + 0.5,
+        )
     one = preprocess(stacks, inputs, topology, num_threads=1)
     two = preprocess(stacks, inputs, topology, num_threads=2)
     for name in one:
@@ -274,9 +357,16 @@ def test_preprocess_stack_matches_reference_model_with_offsets_input():
     lengths = rng.integers(0, 7, 8)
     values = rng.integers(0, 50, lengths.sum()).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    batch = preprocess_stack(stacks[0], {"f": RaggedIds(values, offsets=offsets)}, Topology.cpu(1, 4))
+    batch = preprocess_stack(
+        stacks[0], {"f": RaggedIds(values, offsets=offsets)}, Topology.cpu(1, 4)
+    )
     split = np.split(values, offsets[1:-1])
-    model = preprocess_model(stacks[0], {"f": (split, None)}, Topology.cpu(1, 4), False,
-                             batch.sizes.coo_buffer_size_per_device)
+    model = preprocess_model(
+        stacks[0],
+        {"f": (split, None)},
+        Topology.cpu(1, 4),
+        False,
+        batch.sizes.coo_buffer_size_per_device,
+    )
     np.testing.assert_array_equal(batch.row_pointers, model.row_pointers)
     np.testing.assert_array_equal(batch.gains, model.gains)

@@ -32,18 +32,30 @@ def scenarios(draw):
     dropping = draw(st.booleans())
     limit = draw(st.integers(1, 6)) if dropping else 10_000
     tables = [
-        TableSpec(f"t{i}", draw(st.integers(1, 300)), 8, combiner=combiner,
-                  max_ids_per_partition=limit, max_unique_ids_per_partition=limit)
+        TableSpec(
+            f"t{i}",
+            draw(st.integers(1, 300)),
+            8,
+            combiner=combiner,
+            max_ids_per_partition=limit,
+            max_unique_ids_per_partition=limit,
+        )
         for i in range(draw(st.integers(1, 3)))
     ]
     features = []
     for i in range(draw(st.integers(1, 3))):
         sequence = draw(st.sampled_from([None, None, 1, 3]))
         batch = topology.num_sparsecores * draw(st.integers(1, 3))
-        features.append(FeatureSpec(f"f{i}", draw(st.sampled_from(tables)), batch, max_sequence_length=sequence))
+        features.append(
+            FeatureSpec(f"f{i}", draw(st.sampled_from(tables)), batch, max_sequence_length=sequence)
+        )
     used = sorted({f.table.name for f in features})
     stacked = draw(st.booleans())
-    groups = [StackGroup(tuple(used), rotation=draw(st.sampled_from([None, 0, 1, 3])))] if stacked else []
+    groups = (
+        [StackGroup(tuple(used), rotation=draw(st.sampled_from([None, 0, 1, 3])))]
+        if stacked
+        else []
+    )
     stacks = stack_tables(features, topology, groups)
     return topology, stacks, dropping, draw(st.integers(0, 2**32 - 1))
 
@@ -55,17 +67,22 @@ def make_inputs(stacks, topology, seed):
         for placement in stack.features:
             feature = placement.feature
             vocab = feature.table.vocabulary_size
-            samples = feature.batch_size * topology.local_device_count // topology.global_device_count
+            samples = (
+                feature.batch_size * topology.local_device_count // topology.global_device_count
+            )
             lengths = rng.integers(0, (feature.max_sequence_length or 5) + 1, samples)
             high = vocab if rng.random() < 0.5 else min(vocab, 6)  # few distinct ids: duplicates
             values = rng.integers(0, high, lengths.sum()).astype(rng.choice([np.int32, np.int64]))
             weights = None
             if rng.random() < 0.5:
-                weights = (rng.random(lengths.sum()) * 2 + 0.05).astype(rng.choice([np.float32, np.float64]))
+                weights = (rng.random(lengths.sum()) * 2 + 0.05).astype(
+                    rng.choice([np.float32, np.float64])
+                )
             inputs[feature.name] = RaggedIds(values, lengths=lengths, weights=weights)
             split = np.cumsum(lengths)[:-1]
             model_inputs[feature.name] = (
-                np.split(values, split), None if weights is None else np.split(weights, split)
+                np.split(values, split),
+                None if weights is None else np.split(weights, split),
             )
     return inputs, model_inputs
 
@@ -73,7 +90,9 @@ def make_inputs(stacks, topology, seed):
 def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
     if expected.dtype == np.float32:
         np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
-        actual, expected = np.nan_to_num(actual).view(np.uint32), np.nan_to_num(expected).view(np.uint32)
+        actual, expected = np.nan_to_num(actual).view(np.uint32), np.nan_to_num(expected).view(
+            np.uint32
+        )
     np.testing.assert_array_equal(actual, expected)
 
 
@@ -89,15 +108,27 @@ def decode(stack, batch, topology) -> dict:
                 end = batch.row_pointers[d, s * r + p]
                 for slot in range(s * segment + start, s * segment + end):
                     sample, row = batch.sample_ids[d, slot], batch.embedding_ids[d, slot]
-                    fp = next(f for f in stack.features
-                              if f.sample_offset_in_sparsecore <= sample < f.sample_offset_in_sparsecore + f.samples_per_sparsecore)
+                    fp = next(
+                        f
+                        for f in stack.features
+                        if f.sample_offset_in_sparsecore
+                        <= sample
+                        < f.sample_offset_in_sparsecore + f.samples_per_sparsecore
+                    )
                     table = stack.tables[fp.table_index]
                     local = row - table.row_offset_in_shard
                     assert 0 <= local < table.rows_in_shard
                     ident = int(local * n + (p - table.shard_rotation) % n)
                     assert ident < table.table.vocabulary_size
-                    assert shard_and_local_row(stack, table.table.name, np.array([ident])) == (p, row)
-                    host_row = (d * per_device + s) * fp.samples_per_sparsecore + sample - fp.sample_offset_in_sparsecore
+                    assert shard_and_local_row(stack, table.table.name, np.array([ident])) == (
+                        p,
+                        row,
+                    )
+                    host_row = (
+                        (d * per_device + s) * fp.samples_per_sparsecore
+                        + sample
+                        - fp.sample_offset_in_sparsecore
+                    )
                     key = (fp.feature.name, int(host_row), ident)
                     assert key not in decoded
                     decoded[key] = batch.gains[d, slot]
@@ -112,7 +143,11 @@ def merged_input(stack, model_inputs) -> dict:
         ids, weights = model_inputs[fp.feature.name]
         seq = fp.feature.max_sequence_length
         for b, sample in enumerate(ids):
-            w = [np.float32(1)] * len(sample) if weights is None else [np.float32(x) for x in weights[b]]
+            w = (
+                [np.float32(1)] * len(sample)
+                if weights is None
+                else [np.float32(x) for x in weights[b]]
+            )
             gains = w if seq else sample_gains(stack.combiner.value, w)
             for pos, (ident, gain) in enumerate(zip(sample, gains)):
                 key = (fp.feature.name, b * seq + pos if seq else b, int(ident))
@@ -125,11 +160,15 @@ def assert_unique_rows_consistent(batch, n) -> None:
     for d in range(batch.embedding_ids.shape[0]):
         real = batch.embedding_ids[d] != PAD_ID
         flat = unique.unique_ids[d].reshape(-1)
-        np.testing.assert_array_equal(flat[unique.entry_unique_index[d, real]], batch.embedding_ids[d, real])
+        np.testing.assert_array_equal(
+            flat[unique.entry_unique_index[d, real]], batch.embedding_ids[d, real]
+        )
         for p in range(n):
             count = unique.unique_counts[d, p]
             in_partition = real & (unique.entry_unique_index[d] // width == p)
-            assert np.array_equal(np.unique(batch.embedding_ids[d, in_partition]), unique.unique_ids[d, p, :count])
+            assert np.array_equal(
+                np.unique(batch.embedding_ids[d, in_partition]), unique.unique_ids[d, p, :count]
+            )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -140,7 +179,9 @@ def test_buffers_match_model_and_decode_to_the_input(scenario):
     batches = preprocess(stacks, inputs, topology, allow_id_dropping=dropping, num_threads=2)
     for stack in stacks:
         batch = batches[stack.name]
-        model = preprocess_model(stack, model_inputs, topology, dropping, batch.sizes.coo_buffer_size_per_device)
+        model = preprocess_model(
+            stack, model_inputs, topology, dropping, batch.sizes.coo_buffer_size_per_device
+        )
         for field, expected in (
             ("row_pointers", model.row_pointers),
             ("embedding_ids", model.embedding_ids),

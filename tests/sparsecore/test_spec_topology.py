@@ -77,7 +77,9 @@ def test_unknown_preset():
 
 
 def test_table_spec_normalises_names():
-    table = TableSpec("t", 100, 8, combiner="sqrtn", optimizer="adagrad", initializer="uniform(-1, 1)")
+    table = TableSpec(
+        "t", 100, 8, combiner="sqrtn", optimizer="adagrad", initializer="uniform(-1, 1)"
+    )
     assert table.combiner is Combiner.SQRTN
     assert isinstance(table.optimizer, Adagrad)
     assert table.initializer == NamedInitializer("uniform", (-1.0, 1.0))
@@ -148,7 +150,11 @@ def test_feature_spec():
     pooled = FeatureSpec("f", table, 32)
     sequence = FeatureSpec("s", table, 32, max_sequence_length=5)
     assert (pooled.output_shape, pooled.num_rows, pooled.is_sequence) == ((32, 8), 32, False)
-    assert (sequence.output_shape, sequence.num_rows, sequence.is_sequence) == ((32, 5, 8), 160, True)
+    assert (sequence.output_shape, sequence.num_rows, sequence.is_sequence) == (
+        (32, 5, 8),
+        160,
+        True,
+    )
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         FeatureSpec("f", table, 0)
     with pytest.raises(ValueError, match="max_sequence_length must be a positive int"):

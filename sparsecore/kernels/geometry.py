@@ -1,0 +1,118 @@
+"""Static sizes of one stacked table's kernels: everything that fixes a compiled program's shapes.
+
+The kernels read the packed buffers exactly as the host preprocessing writes them (see
+`sparsecore.preprocess.pack`); this module only names their sizes and the few index maps the
+kernels need. Per device: `row_pointers [S*R]`, `embedding_ids`, `sample_ids`, `gains [C]`, the
+stand-in side-car (`entry_unique_index [C]`, `unique_ids [N, U]`, `unique_counts [N]`), the
+table shard `[S*Vs, D]`, activations `[S*B, D]` (B samples per SparseCore, SparseCore-major).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from sparsecore.layout import StackedTable, round_up
+from sparsecore.preprocess import BufferSizes
+from sparsecore.topology import Topology
+
+DEFAULT_ENTRY_CHUNK = 8192
+"""Entries per step of the accumulate loops: big enough to amortise a loop step, small enough that
+the gathered `[chunk, D]` rows stay in cache and never page-fault in as a fresh buffer."""
+
+DEFAULT_ROW_CHUNK = 4096
+"""Unique rows per step of the optimizer loop (same trade-off)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGeometry:
+    """Shapes of one stacked table on a mesh of `num_devices` devices.
+
+    `max_ids_per_partition` / `max_unique_ids_per_partition` bound the entries / distinct rows
+    one SparseCore sends to one partition (the host enforces them), `unique_rows_per_partition`
+    (U) the side-car's distinct rows per (device, partition). `entry_chunk` and `row_chunk` are loop tiling knobs, not semantics.
+    """
+
+    name: str
+    num_devices: int
+    sparsecores_per_device: int
+    row_pointers_per_sparsecore: int
+    coo_buffer_size: int
+    batch_size_per_sparsecore: int
+    rows_per_shard: int
+    embedding_dim: int
+    max_ids_per_partition: int
+    max_unique_ids_per_partition: int
+    unique_rows_per_partition: int
+    entry_chunk: int = DEFAULT_ENTRY_CHUNK
+    row_chunk: int = DEFAULT_ROW_CHUNK
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name != "name" and not (isinstance(value, int) and value > 0):
+                raise ValueError(f"KernelGeometry {self.name!r}: {field.name} must be a positive int, got {value!r}")
+        if self.coo_buffer_size % (8 * self.sparsecores_per_device):
+            raise ValueError(
+                f"KernelGeometry {self.name!r}: coo_buffer_size {self.coo_buffer_size} is not a "
+                f"multiple of 8 x {self.sparsecores_per_device} SparseCores"
+            )
+        if self.row_pointers_per_sparsecore < self.num_sparsecores:
+            raise ValueError(
+                f"KernelGeometry {self.name!r}: {self.row_pointers_per_sparsecore} row pointers per "
+                f"SparseCore cannot hold {self.num_sparsecores} partitions"
+            )
+
+    @classmethod
+    def for_stack(
+        cls, stack: StackedTable, topology: Topology, sizes: BufferSizes, **tiling: int
+    ) -> KernelGeometry:
+        """The geometry of `stack` on `topology` with the host's buffer sizes."""
+        if stack.num_sparsecores != topology.num_sparsecores:
+            raise ValueError(
+                f"stack {stack.name!r} is laid out for {stack.num_sparsecores} SparseCores, the "
+                f"topology has {topology.num_sparsecores}"
+            )
+        return cls(
+            name=stack.name,
+            num_devices=topology.global_device_count,
+            sparsecores_per_device=topology.sparsecores_per_device,
+            row_pointers_per_sparsecore=sizes.row_pointers_per_sparsecore,
+            coo_buffer_size=sizes.coo_buffer_size_per_device,
+            batch_size_per_sparsecore=sizes.batch_size_per_sparsecore,
+            rows_per_shard=stack.rows_per_shard,
+            embedding_dim=stack.embedding_dim,
+            max_ids_per_partition=stack.max_ids_per_partition,
+            max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
+            unique_rows_per_partition=sizes.unique_rows_per_partition,
+            **tiling,
+        )
+
+    @property
+    def num_sparsecores(self) -> int:
+        """N: partitions (MOD shards) of the stack."""
+        return self.num_devices * self.sparsecores_per_device
+
+    @property
+    def segment_size(self) -> int:
+        """COO slots owned by one SparseCore (C / S)."""
+        return self.coo_buffer_size // self.sparsecores_per_device
+
+    @property
+    def window(self) -> int:
+        """Slots one SparseCore sends to one device: its S partitions there, each at most
+        round8(max ids) long, never more than the whole segment."""
+        per_partition = round_up(self.max_ids_per_partition, 8)
+        return min(self.sparsecores_per_device * per_partition, self.segment_size)
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows of the table (and of every slot) one device holds: its S shards."""
+        return self.sparsecores_per_device * self.rows_per_shard
+
+    @property
+    def samples_per_device(self) -> int:
+        return self.sparsecores_per_device * self.batch_size_per_sparsecore
+
+    @property
+    def merged_rows_per_sparsecore(self) -> int:
+        """Capacity for the distinct rows one target SparseCore receives from all devices."""
+        return self.num_devices * self.unique_rows_per_partition

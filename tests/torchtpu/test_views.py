@@ -1,0 +1,130 @@
+"""PyTorch's aliasing semantics on `tpu`: views share storage, in-place ops through any view are
+visible in the base and every sibling view -- bit for bit as on CPU, in every eager mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtpu
+
+MODES = ["strict", "debug", "defer"]
+
+
+def _base(device: str) -> torch.Tensor:
+    return torch.arange(48, dtype=torch.float32).reshape(4, 12).to(device)
+
+
+# Each pattern mutates through views of `x` (a 4x12 tensor) and returns tensors to compare.
+PATTERNS = {
+    "slice_add": lambda x: (x[1:3].add_(1), x),
+    "step_slice_mul": lambda x: (x[:, ::3].mul_(2), x),
+    "select_row": lambda x: (x[2].fill_(-1), x),
+    "select_col": lambda x: (x[:, 5].fill_(7), x),
+    "transpose_write": lambda x: (x.t()[3].add_(100), x),
+    "view_flat": lambda x: (x.view(-1)[10:20].mul_(-1), x),
+    "reshape_view": lambda x: (x.reshape(2, 24)[1].add_(0.5), x),
+    "narrow": lambda x: (x.narrow(1, 2, 4).zero_(), x),
+    "unsqueeze_write": lambda x: (x.unsqueeze(0)[0, 1].add_(3), x),
+    "diagonal": lambda x: (x.diagonal().add_(1000), x),
+    "diagonal_offset": lambda x: (x.diagonal(offset=2).fill_(-5), x),
+    "permute_3d": lambda x: (x.view(4, 3, 4).permute(2, 0, 1)[1].mul_(3), x),
+    "as_strided": lambda x: (x.as_strided((3, 3), (13, 1), 2).add_(9), x),
+    "expand_read": lambda x: (x[0:1].expand(3, 12) + x[1:4], x),
+    "sibling_views": lambda x: (_sibling(x), x),
+    "view_of_view": lambda x: (x[1:][:, 2:][1:, ::2].add_(4), x),
+    "copy_into_view": lambda x: (x[:, :3].copy_(x[:, 6:9]), x),
+    "copy_broadcast": lambda x: (x[1:3].copy_(x[0]), x),
+    "overlapping_read": lambda x: (x[:, 1:] + x[:, :-1], x),
+    "chunk_write": lambda x: ([c.add_(i) for i, c in enumerate(x.chunk(3, dim=1))], x),
+    "split_write": lambda x: ([c.mul_(i + 1) for i, c in enumerate(x.split([5, 7], dim=1))], x),
+    "unbind_write": lambda x: ([r.add_(r[0].clone()) for r in x.unbind(0)], x),
+    "squeeze_view": lambda x: (x[2:3].squeeze(0).add_(2), x),
+    "t_contiguous_copy": lambda x: (x.t().contiguous().add_(1), x),
+    "detach_shares": lambda x: (x.detach()[0].fill_(11), x),
+    "data_shares": lambda x: (x.data[3].fill_(12), x),
+    "view_after_inplace": lambda x: (_inplace_then_view(x), x),
+    "inplace_on_base_seen_by_view": lambda x: (_base_then_view(x), x),
+    "view_dtype_roundtrip": lambda x: (x.view(torch.int32)[0].add_(1), x),
+    "unfold_read": lambda x: (x[0].unfold(0, 4, 2) * 1, x),
+    "select_negative": lambda x: (x[-1, -1:].fill_(-3), x),
+    "nested_transpose": lambda x: (x.view(4, 3, 4).transpose(0, 2).transpose(1, 2)[0, 1].add_(8), x),
+    "zero_size_view": lambda x: (x[:, 5:5].add_(1), x),
+    "scalar_view": lambda x: (x[1, 1].mul_(10), x),
+}
+
+
+def _sibling(x):
+    a = x[:, :6]
+    b = x[:, 3:9]
+    a.add_(1)
+    return b.clone()
+
+
+def _inplace_then_view(x):
+    x.mul_(2)
+    return x[1:, 3:].clone()
+
+
+def _base_then_view(x):
+    v = x[::2, 1::2]
+    x.add_(1)
+    return v.clone()
+
+
+def _to_cpu(out):
+    if isinstance(out, torch.Tensor):
+        return out.cpu()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_to_cpu(o) for o in out)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits (so -0.0 vs 0.0 or NaN payloads would count as differences)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(as_int)
+
+
+def _assert_bitwise(a, b, path="out"):
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, path
+        assert torch.equal(_bits(a), _bits(b)), path
+        return
+    assert len(a) == len(b), path
+    for i, (x, y) in enumerate(zip(a, b)):
+        _assert_bitwise(x, y, f"{path}[{i}]")
+
+
+def test_at_least_30_patterns():
+    assert len(PATTERNS) >= 30
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_view_mutation_matches_cpu(name, mode):
+    pattern = PATTERNS[name]
+    expected = pattern(_base("cpu"))
+    with torchtpu.eager_mode(mode):
+        actual = _to_cpu(pattern(_base("tpu")))
+    _assert_bitwise(actual, expected)
+
+
+def test_views_share_storage_and_report_strides():
+    x = _base("tpu")
+    v = x.t()[1:, ::2]
+    c = x.cpu().t()[1:, ::2]
+    assert v.stride() == c.stride() and v.storage_offset() == c.storage_offset()
+    assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert v._is_view() and v._base is x
+
+
+def test_version_counter_and_autograd_view_tracking():
+    x = _base("tpu").requires_grad_(True)
+    y = x * 2
+    v = y[1]
+    before = y._version
+    v.add_(1)
+    assert y._version == before + 1
+    y.sum().backward()
+    assert torch.equal(x.grad.cpu(), torch.full((4, 12), 2.0))

@@ -156,9 +156,9 @@ def _unique_rows(
 
 def pack_buffers(
     stack: StackedTable,
+    layout: KeyLayout,
     pairs: MergedPairs,
     sizes: BufferSizes,
-    local_devices: int,
     allow_id_dropping: bool,
     with_unique_rows: bool,
 ) -> PackedBuffers:
@@ -168,8 +168,8 @@ def pack_buffers(
     partitions get no entries, their row pointers equal the segment length) and the raw ids not
     written are counted -- only with `allow_id_dropping`; otherwise `BufferOverflowError`.
     """
-    n = stack.num_sparsecores
-    per_device = sizes.sparsecores_per_device
+    n, local_devices = layout.num_sparsecores, layout.local_devices
+    per_device = layout.sparsecores_per_device
     segment = sizes.coo_buffer_size_per_sparsecore
     kept = pairs.kept_per_bucket
     rounded = (kept + 7) & ~7
@@ -201,7 +201,6 @@ def pack_buffers(
     row_pointers[:, n:] = (ends[:, -1:] + 7) & ~7
     unique = None
     if with_unique_rows:
-        layout = KeyLayout(local_devices, n, stack.rows_per_shard, per_device)
         unique = _unique_rows(pairs, slots, sizes, layout)
     return PackedBuffers(
         row_pointers=row_pointers.reshape(local_devices, -1),

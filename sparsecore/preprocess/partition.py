@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsecore.layout import StackedTable
+from sparsecore.topology import Topology
 
 __all__ = ["KeyLayout", "MergedPairs", "PartitionLimitError", "merge_pairs", "stable_argsort"]
 
@@ -39,6 +40,19 @@ class KeyLayout:
     num_sparsecores: int
     rows_per_shard: int
     sparsecores_per_device: int
+
+    @classmethod
+    def for_stack(cls, stack: StackedTable, topology: Topology) -> KeyLayout:
+        return cls(
+            topology.local_device_count,
+            topology.num_sparsecores,
+            stack.rows_per_shard,
+            topology.sparsecores_per_device,
+        )
+
+    @property
+    def local_sparsecores(self) -> int:
+        return self.local_devices * self.sparsecores_per_device
 
     @property
     def sc_bits(self) -> int:
@@ -180,7 +194,7 @@ def _table_maxima(
     return tuple(ids.max(axis=0).tolist()), tuple(unique.max(axis=0).tolist())
 
 
-def _check_limit(
+def _raise_limit_error(
     stack: StackedTable,
     limit: str,
     counts: np.ndarray,
@@ -189,16 +203,14 @@ def _check_limit(
     pair_bucket: np.ndarray,
     pair_feature: np.ndarray,
 ) -> None:
+    """Raise `PartitionLimitError` for the (SparseCore, partition) with the largest count."""
     worst = int(np.argmax(counts))
-    observed = int(counts.flat[worst])
-    if observed <= configured:
-        return
     local_sc, partition = divmod(worst, counts.shape[1])
     device, sparsecore = divmod(local_sc, sparsecores_per_device)
     features = np.unique(pair_feature[pair_bucket == worst])
     names = tuple(stack.features[f].feature.name for f in features)
     raise PartitionLimitError(
-        stack, limit, observed, configured, device, sparsecore, partition, names
+        stack, limit, int(counts.flat[worst]), configured, device, sparsecore, partition, names
     )
 
 
@@ -228,12 +240,11 @@ def _merge_runs(
 
 def merge_pairs(
     stack: StackedTable,
+    layout: KeyLayout,
     keys: np.ndarray,
     samples: np.ndarray,
     gains: np.ndarray | None,
     feature_starts: np.ndarray,
-    local_devices: int,
-    sparsecores_per_device: int,
     allow_id_dropping: bool,
     with_row_groups: bool = True,
 ) -> MergedPairs:
@@ -243,10 +254,9 @@ def merge_pairs(
     `with_row_groups=False` skips the (device, partition, row) groups (`row_group` is then
     empty), which only the unique-row side-car needs.
     """
-    n, per_device = stack.num_sparsecores, sparsecores_per_device
-    layout = KeyLayout(local_devices, n, stack.rows_per_shard, per_device)
+    n, per_device = layout.num_sparsecores, layout.sparsecores_per_device
     sc_bits, n_bits = layout.sc_bits, layout.partition_bits
-    local_scs = local_devices * per_device
+    local_scs = layout.local_sparsecores
     order, starts, count, gain, new_column, sorted_keys, sorted_samples = _merge_runs(
         keys, samples, gains, layout.bound
     )
@@ -283,7 +293,9 @@ def merge_pairs(
         ):
             if counts.max(initial=0) > configured:
                 pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
-                _check_limit(stack, limit, counts, configured, per_device, bucket, pair_feature)
+                _raise_limit_error(
+                    stack, limit, counts, configured, per_device, bucket, pair_feature
+                )
     elif (ids_per_bucket > stack.max_ids_per_partition).any() or (
         unique_per_bucket > stack.max_unique_ids_per_partition
     ).any():

@@ -16,7 +16,7 @@ import numpy as np
 
 from sparsecore.layout import StackedTable
 from sparsecore.preprocess.pack import BufferSizes, UniqueRows, buffer_sizes, pack_buffers
-from sparsecore.preprocess.partition import merge_pairs
+from sparsecore.preprocess.partition import KeyLayout, MergedPairs, merge_pairs
 from sparsecore.preprocess.ragged import RaggedIds, expand_feature
 from sparsecore.preprocess.stats import PartitionStats
 from sparsecore.topology import Topology
@@ -43,6 +43,27 @@ class PackedBatch:
     unique: UniqueRows | None
 
 
+def _concatenate(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _stats(
+    stack: StackedTable, layout: KeyLayout, pairs: MergedPairs, dropped: int
+) -> PartitionStats:
+    """Per-device maxima over SparseCores, required buffer per SparseCore, per-table maxima."""
+    shape = (layout.local_devices, layout.sparsecores_per_device, layout.num_sparsecores)
+    ids = pairs.ids_per_bucket.reshape(shape)
+    unique = pairs.unique_per_bucket.reshape(shape)
+    return PartitionStats(
+        max_ids_per_partition=ids.max(axis=1).astype(np.int32),
+        max_unique_ids_per_partition=unique.max(axis=1).astype(np.int32),
+        required_buffer_size_per_sparsecore=((ids + 7) & ~7).sum(axis=2).astype(np.int32),
+        id_drop_count=dropped,
+        table_max_ids_per_partition=dict(zip(stack.table_names, pairs.table_ids_max)),
+        table_max_unique_ids_per_partition=dict(zip(stack.table_names, pairs.table_unique_max)),
+    )
+
+
 def _check_topology(stack: StackedTable, topology: Topology) -> None:
     if stack.num_sparsecores != topology.num_sparsecores:
         raise ValueError(
@@ -63,44 +84,28 @@ def preprocess_stack(
     missing = [f for f in stack.feature_names if f not in inputs]
     if missing:
         raise ValueError(f"stack {stack.name!r}: no input for feature(s) {missing}")
+    layout = KeyLayout.for_stack(stack, topology)
     coordinates = [
-        expand_feature(p, stack, inputs[p.feature.name], topology) for p in stack.features
+        expand_feature(p, stack, layout, inputs[p.feature.name], topology) for p in stack.features
     ]
-    sizes_per_feature = [len(c.keys) for c in coordinates]
-    feature_starts = np.cumsum([0, *sizes_per_feature])[:-1]
-    keys = np.concatenate([c.keys for c in coordinates])
-    samples = np.concatenate([c.samples for c in coordinates])
+    feature_starts = np.cumsum([0, *(len(c.keys) for c in coordinates)])[:-1]
     gains = None
     if any(c.gains is not None for c in coordinates):
-        gains = np.concatenate(
+        gains = _concatenate(
             [np.ones(len(c.keys), np.float32) if c.gains is None else c.gains for c in coordinates]
         )
-    per_device = topology.sparsecores_per_device
-    local_devices = topology.local_device_count
     pairs = merge_pairs(
         stack,
-        keys,
-        samples,
+        layout,
+        _concatenate([c.keys for c in coordinates]),
+        _concatenate([c.samples for c in coordinates]),
         gains,
         feature_starts,
-        local_devices,
-        per_device,
         allow_id_dropping,
         with_row_groups=with_unique_rows,
     )
     sizes = buffer_sizes(stack, topology)
-    packed = pack_buffers(stack, pairs, sizes, local_devices, allow_id_dropping, with_unique_rows)
-    n = stack.num_sparsecores
-    ids = pairs.ids_per_bucket.reshape(local_devices, per_device, n)
-    unique = pairs.unique_per_bucket.reshape(local_devices, per_device, n)
-    stats = PartitionStats(
-        max_ids_per_partition=ids.max(axis=1).astype(np.int32),
-        max_unique_ids_per_partition=unique.max(axis=1).astype(np.int32),
-        required_buffer_size_per_sparsecore=((ids + 7) & ~7).sum(axis=2).astype(np.int32),
-        id_drop_count=packed.dropped_ids,
-        table_max_ids_per_partition=dict(zip(stack.table_names, pairs.table_ids_max)),
-        table_max_unique_ids_per_partition=dict(zip(stack.table_names, pairs.table_unique_max)),
-    )
+    packed = pack_buffers(stack, layout, pairs, sizes, allow_id_dropping, with_unique_rows)
     return PackedBatch(
         stack=stack.name,
         sizes=sizes,
@@ -108,7 +113,7 @@ def preprocess_stack(
         embedding_ids=packed.embedding_ids,
         sample_ids=packed.sample_ids,
         gains=packed.gains,
-        stats=stats,
+        stats=_stats(stack, layout, pairs, packed.dropped_ids),
         unique=packed.unique,
     )
 

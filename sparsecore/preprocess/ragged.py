@@ -185,7 +185,11 @@ def _sequence_rows(name: str, lengths: np.ndarray, max_sequence_length: int) -> 
 
 
 def expand_feature(
-    placement: FeaturePlacement, stack: StackedTable, ids: RaggedIds, topology: Topology
+    placement: FeaturePlacement,
+    stack: StackedTable,
+    layout: KeyLayout,
+    ids: RaggedIds,
+    topology: Topology,
 ) -> FeatureCoordinates:
     """Validate one feature's host-local input and map every id to its SparseCore coordinates.
 
@@ -200,9 +204,6 @@ def expand_feature(
     values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
-    layout = KeyLayout(
-        topology.local_device_count, n, stack.rows_per_shard, topology.sparsecores_per_device
-    )
     if feature.is_sequence:
         rows = _sequence_rows(name, lengths, feature.max_sequence_length)
         row_keys, samples = _row_coordinates(rows, placement, layout)

@@ -107,7 +107,7 @@ class Inputs:
         if t.device.type != "tpu":
             if t.dim() == 0 and t.device.type == "cpu":
                 self.dynamic.append(t.item())
-                return HostRef(len(self.dynamic) - 1, t.dtype, t._is_wrapped_number())
+                return HostRef(len(self.dynamic) - 1, t.dtype, False)
             raise _mismatch(self._what, self.device if self.device is not None else 0, t.device)
         storage = t.untyped_storage()
         buffer = getattr(storage, BUFFER_ATTR, None)

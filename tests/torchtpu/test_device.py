@@ -1,0 +1,223 @@
+"""The `tpu` device: registration, `torch.tpu`, tensors and transfers, and bad input."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchtpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (device count and locks are per process)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=300)
+
+
+def test_device_after_import_torch_alone():
+    result = _run("""
+        import torch
+        x = torch.ones(2, device="tpu")
+        print(torch.device("tpu"), x.device, torch.tpu.is_available(), type(x).__name__)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["tpu", "tpu:0", "True", "Tensor"]
+
+
+def test_torch_tpu_module():
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() == int(os.environ["TORCHTPU_NUM_DEVICES"])
+    torch.tpu.set_device(1)
+    try:
+        assert torch.tpu.current_device() == 1
+        assert torch.empty(3, device="tpu").device == torch.device("tpu:1")
+    finally:
+        torch.tpu.set_device(0)
+    with torch.tpu.device(2):
+        assert torch.tpu.current_device() == 2
+    assert torch.tpu.current_device() == 0
+    torch.tpu.synchronize()
+    assert torch.accelerator.current_accelerator() == torch.device("tpu")
+
+
+def test_memory_stats_follow_live_tensors():
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated()
+    x = torch.empty(1024, 256, device="tpu")
+    assert torch.tpu.memory_allocated() == before + 1024 * 256 * 4
+    assert torch.tpu.max_memory_allocated() >= before + 1024 * 256 * 4
+    del x
+    assert torch.tpu.memory_allocated() == before
+
+
+def test_rng_state_roundtrip_and_seeding():
+    torch.tpu.manual_seed(123)
+    state = torch.tpu.get_rng_state()
+    a = torch.rand(5, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    b = torch.rand(5, device="tpu").cpu()
+    assert torch.equal(a, b)
+    torch.manual_seed(7)  # seeds every device, as for CUDA
+    c = torch.rand(5, device="tpu").cpu()
+    torch.manual_seed(7)
+    assert torch.equal(c, torch.rand(5, device="tpu").cpu())
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roundtrip_every_dtype(dtype):
+    x = (torch.arange(24).reshape(4, 6) % 7).to(dtype)
+    t = x.to("tpu")
+    assert t.dtype == dtype and t.device.type == "tpu"
+    assert torch.equal(t.cpu(), x)
+    assert torch.equal(t.t().cpu(), x.t())
+    assert t[1:3, ::2].cpu().tolist() == x[1:3, ::2].tolist()
+
+
+def test_unsupported_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match="complex64 is not supported on the tpu device"):
+        torch.zeros(3, dtype=torch.complex64).to("tpu")
+    with pytest.raises(TypeError, match="not supported on the tpu device"):
+        torch.empty(3, dtype=torch.uint16, device="tpu")
+
+
+def test_item_tolist_numpy():
+    t = torch.tensor([[1.5, -2.0], [3.0, 4.25]]).to("tpu")
+    assert t[1, 1].item() == 4.25
+    assert t.tolist() == [[1.5, -2.0], [3.0, 4.25]]
+    with pytest.raises(TypeError, match="can't convert tpu:0 device type tensor to numpy"):
+        t.numpy()
+
+
+def test_copy_both_ways_and_between_devices():
+    x = torch.randn(5, 3)
+    t = torch.empty(5, 3, device="tpu")
+    t.copy_(x)
+    assert torch.equal(t.cpu(), x)
+    y = torch.empty(5, 3)
+    y.copy_(t)
+    assert torch.equal(y, x)
+    t1 = t.to("tpu:1")
+    assert t1.device == torch.device("tpu:1") and torch.equal(t1.cpu(), x)
+    t[:, 1].copy_(torch.ones(5))
+    x[:, 1] = 1
+    assert torch.equal(t.cpu(), x)
+    x.add_(1)  # the device copy must not alias host memory
+    assert not torch.equal(t.cpu(), x)
+
+
+def test_save_and_load_with_and_without_map_location():
+    t = torch.randn(4, 6).to("tpu")
+    buffer = io.BytesIO()
+    torch.save({"t": t, "row": t[2], "bf16": t.to(torch.bfloat16)}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert loaded["t"].device == torch.device("tpu:0")
+    assert torch.equal(loaded["t"].cpu(), t.cpu())
+    assert torch.equal(loaded["row"].cpu(), t[2].cpu())
+    assert torch.equal(loaded["bf16"].cpu(), t.to(torch.bfloat16).cpu())
+    buffer.seek(0)
+    on_cpu = torch.load(buffer, map_location="cpu")
+    assert on_cpu["t"].device.type == "cpu" and torch.equal(on_cpu["t"], t.cpu())
+
+
+def test_print_shows_values_and_device():
+    text = repr(torch.tensor([1.0, 2.5]).to("tpu"))
+    assert "1.0000, 2.5000" in text and "device='tpu:0'" in text
+
+
+def test_mixed_devices_raise_pytorch_error():
+    a = torch.ones(3, device="tpu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + torch.ones(3, device="tpu:1")
+    # A 0-dim CPU tensor is a scalar, as on CUDA.
+    assert torch.equal((a + torch.tensor(2.0)).cpu(), torch.full((3,), 3.0))
+
+
+def test_strict_ops_names_the_op():
+    result = _run("""
+        import torch, torchtpu
+        x = torch.ones(3, device="tpu")
+        try:
+            torch.ops.aten._test_functorch_fallback(x, x)
+        except NotImplementedError as e:
+            print("ERROR:", e)
+    """, env={"TORCHTPU_STRICT_OPS": "1", "TORCHTPU_DEVICE_LOCK": "0"})
+    assert result.returncode == 0, result.stderr
+    assert "ERROR: aten._test_functorch_fallback.default has no tpu lowering" in result.stdout
+    assert "TORCHTPU_STRICT_OPS=1" in result.stdout
+
+
+def test_cpu_fallback_is_counted_and_correct():
+    result = _run("""
+        import warnings, torch, torchtpu
+        x = torch.arange(3.0, device="tpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = torch.ops.aten._test_functorch_fallback(x, x)
+        print(out.device, out.cpu().tolist(), torchtpu.metrics()["cpu_fallback_ops"], len(caught))
+    """, env={"TORCHTPU_DEVICE_LOCK": "0"})
+    assert result.returncode == 0, result.stderr
+    expected = torch.ops.aten._test_functorch_fallback(torch.arange(3.0), torch.arange(3.0))
+    assert f"tpu:0 {expected.tolist()}" in result.stdout
+    assert "{'aten._test_functorch_fallback.default': 1} 1" in result.stdout
+
+
+def test_second_process_on_a_held_device_is_refused(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import torch, sys; torch.ones(1, device='tpu:0'); "
+                               "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "TORCHTPU_LOCK_DIR": str(tmp_path)},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = _run("""
+            import torch
+            try:
+                torch.ones(1, device="tpu:0")
+            except RuntimeError as e:
+                print("ERROR:", e)
+            torch.ones(1, device="tpu:1")
+            print("tpu:1 ok")
+        """, env={"TORCHTPU_LOCK_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr
+        assert f"ERROR: tpu:0 is already in use by process {holder.pid}" in result.stdout
+        assert "tpu:1 ok" in result.stdout
+        unlocked = _run("import torch; torch.ones(1, device='tpu:0'); print('ok')",
+                        env={"TORCHTPU_LOCK_DIR": str(tmp_path), "TORCHTPU_DEVICE_LOCK": "0"})
+        assert unlocked.stdout.strip() == "ok", unlocked.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    again = _run("import torch; torch.ones(1, device='tpu:0'); print('ok')",
+                 env={"TORCHTPU_LOCK_DIR": str(tmp_path)})
+    assert again.stdout.strip() == "ok", again.stderr  # released when the holder exits
+
+
+def test_device_count_set_too_late_is_an_error():
+    result = _run("""
+        import os, jax
+        jax.devices()
+        os.environ["TORCHTPU_NUM_DEVICES"] = "3"
+        import torch
+        try:
+            torch.ones(1, device="tpu")
+        except RuntimeError as e:
+            print("ERROR:", e)
+    """, env={"XLA_FLAGS": "", "TORCHTPU_NUM_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert "ERROR: TORCHTPU_NUM_DEVICES=3" in result.stdout and "already started" in result.stdout

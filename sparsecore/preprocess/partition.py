@@ -71,8 +71,15 @@ class KeyLayout:
         """One past the largest key."""
         return self.local_devices << (self.partition_bits + self.row_bits + self.sc_bits)
 
+    @property
+    def dtype(self) -> type[np.signedinteger]:
+        """int32 when every key (and so every id of the stack) fits, else int64: half the
+        memory traffic for the common case."""
+        return np.int32 if self.bound <= 2**31 else np.int64
+
     def sample_part(self, local_sparsecore: np.ndarray) -> np.ndarray:
         """Key bits set by where a sample goes: its device and SparseCore."""
+        local_sparsecore = local_sparsecore.astype(self.dtype)
         device = local_sparsecore >> self.sc_bits
         shift = self.partition_bits + self.row_bits + self.sc_bits
         return (device << shift) | (local_sparsecore & (self.sparsecores_per_device - 1))

@@ -126,7 +126,9 @@ def _lengths(name: str, ids: RaggedIds, num_samples: int) -> np.ndarray:
     return lengths
 
 
-def _check_values(name: str, ids: RaggedIds, vocabulary_size: int, table: str) -> np.ndarray:
+def _check_values(
+    name: str, ids: RaggedIds, vocabulary_size: int, table: str, dtype: type[np.signedinteger]
+) -> np.ndarray:
     values = ids.values
     if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
         raise ValueError(
@@ -138,7 +140,7 @@ def _check_values(name: str, ids: RaggedIds, vocabulary_size: int, table: str) -
             f"feature {name!r}: id {int(values[bad])} (position {int(bad)}) is outside the "
             f"vocabulary [0, {vocabulary_size}) of table {table!r}"
         )
-    return values.astype(np.int64)
+    return values.astype(dtype)
 
 
 def _check_weights(name: str, ids: RaggedIds) -> np.ndarray | None:
@@ -201,7 +203,7 @@ def expand_feature(
     n = topology.num_sparsecores
     num_samples = feature.batch_size * topology.local_device_count // topology.global_device_count
     table = stack.tables[placement.table_index]
-    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
+    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name, layout.dtype)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
     if feature.is_sequence:

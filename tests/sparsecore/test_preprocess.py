@@ -370,3 +370,15 @@ def test_preprocess_stack_matches_reference_model_with_offsets_input():
     )
     np.testing.assert_array_equal(batch.row_pointers, model.row_pointers)
     np.testing.assert_array_equal(batch.gains, model.gains)
+
+
+def test_a_batch_without_ids_gives_empty_buffers_and_zero_stats():
+    topology = Topology.cpu(2, 2)
+    stacks = one_stack(topology=topology, batch=8)
+    batch = preprocess(
+        stacks, {"f": lengths_input(np.zeros(0, np.int64), np.zeros(8, int))}, topology
+    )["t"]
+    assert not batch.row_pointers.any()
+    assert np.all(batch.embedding_ids == PAD_ID) and np.all(np.isnan(batch.gains))
+    assert not batch.stats.max_ids_per_partition.any() and batch.stats.id_drop_count == 0
+    assert not batch.unique.unique_counts.any()

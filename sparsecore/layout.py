@@ -18,11 +18,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sparsecore.spec import Combiner, FeatureSpec, TableSpec, optimizer_key
 from sparsecore.topology import Topology
+
+if TYPE_CHECKING:
+    from sparsecore.optimizers import OptimizerSpec
 
 __all__ = [
     "DEFAULT_ACTIVATION_MEMORY_LIMIT_BYTES",
@@ -170,7 +174,7 @@ class StackedTable:
         return self.tables[0].table.combiner
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> OptimizerSpec:
         return self.tables[0].table.optimizer
 
     @property
@@ -252,6 +256,14 @@ class StackGroup:
         repeated = sorted({t for t in self.tables if self.tables.count(t) > 1})
         if repeated:
             raise ValueError(f"StackGroup {self.tables}: table(s) {repeated} repeated")
+        for field in (
+            "max_ids_per_partition",
+            "max_unique_ids_per_partition",
+            "suggested_coo_buffer_size_per_device",
+        ):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"StackGroup {self.tables}: {field} must be positive, got {value}")
 
 
 def flatten_features(

@@ -266,9 +266,11 @@ def test_stacking_errors(groups, match):
         stack_tables(features, Topology.cpu(1, 4), groups)
 
 
-def test_stack_group_rejects_repeats():
+def test_stack_group_rejects_repeats_and_non_positive_limits():
     with pytest.raises(ValueError, match=r"table\(s\) \['a'\] repeated"):
         StackGroup(("a", "b", "a"))
+    with pytest.raises(ValueError, match="max_ids_per_partition must be positive, got 0"):
+        StackGroup(("a",), max_ids_per_partition=0)
 
 
 def test_feature_errors():

@@ -17,7 +17,6 @@ from sparsecore.preprocess import (
     PartitionLimitError,
     PartitionStats,
     RaggedIds,
-    preprocess,
     update_limits,
 )
 from sparsecore.spec import (

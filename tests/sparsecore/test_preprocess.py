@@ -382,3 +382,10 @@ def test_a_batch_without_ids_gives_empty_buffers_and_zero_stats():
     assert np.all(batch.embedding_ids == PAD_ID) and np.all(np.isnan(batch.gains))
     assert not batch.stats.max_ids_per_partition.any() and batch.stats.id_drop_count == 0
     assert not batch.unique.unique_counts.any()
+
+
+def test_package_attribute_is_the_preprocess_module_not_the_function():
+    import sparsecore
+
+    assert sparsecore.preprocess.preprocess is preprocess
+    assert sparsecore.RaggedIds is RaggedIds

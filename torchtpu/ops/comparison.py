@@ -109,23 +109,23 @@ _binary([aten.fmin.default], jnp.fmin, DEFAULT)
 
 
 @pointwise(aten.clamp.default, aten.clamp.Tensor, operands=("self", "min", "max"))
-def clamp(ctx, x, min=None, max=None):
-    # max(x, min) then min(., max): a NaN input or bound gives NaN; min > max gives max.
-    if min is not None:
-        x = jnp.maximum(x, min)
-    if max is not None:
-        x = jnp.minimum(x, max)
+def clamp(ctx, x, lower=None, upper=None):
+    # max(x, lower) then min(., upper): a NaN input or bound gives NaN; lower > upper gives upper.
+    if lower is not None:
+        x = jnp.maximum(x, lower)
+    if upper is not None:
+        x = jnp.minimum(x, upper)
     return x
 
 
 @pointwise(aten.clamp_min.default, aten.clamp_min.Tensor, operands=("self", "min"))
-def clamp_min(ctx, x, min):
-    return jnp.maximum(x, min)
+def clamp_min(ctx, x, lower):
+    return jnp.maximum(x, lower)
 
 
 @pointwise(aten.clamp_max.default, aten.clamp_max.Tensor, operands=("self", "max"))
-def clamp_max(ctx, x, max):
-    return jnp.minimum(x, max)
+def clamp_max(ctx, x, upper):
+    return jnp.minimum(x, upper)
 
 
 @pointwise(aten.where.self, promotion=NO_OPMATH, operands=("self", "other"))

@@ -139,7 +139,7 @@ def fmod(ctx, x, y):
     promotion=BOOL_TO_LONG,
     operands=("self", "exponent"),
 )
-def pow(ctx, base, exponent):
+def power(ctx, base, exponent):
     if _is_integer(base):
         return _integer_pow(base, exponent)
     return jnp.power(base, exponent)
@@ -192,7 +192,7 @@ def neg(ctx, x):
 
 
 @unary(aten.abs.default, promotion=DEFAULT)
-def abs(ctx, x):
+def absolute(ctx, x):
     return x if x.dtype == jnp.bool_ else jnp.abs(x)
 
 
@@ -336,13 +336,6 @@ def _logaddexp(x, y, exp, log1p, scale):
     larger = jnp.maximum(x, y)
     result = larger + log1p(exp(-jnp.abs(x - y))) * jnp.asarray(scale, x.dtype)
     return jnp.where(jnp.isinf(x) & (x == y), x, result)
-
-
-@pointwise(aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other, promotion=INT_TO_FLOAT)
-def xlogy(ctx, x, y):
-    x, y = jnp.broadcast_arrays(x, y)
-    product = x * jnp.log(y)
-    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(product), product))
 
 
 @pointwise(aten.heaviside.default, operands=("self", "values"))

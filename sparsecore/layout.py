@@ -49,6 +49,9 @@ __all__ = [
     "unshard_table",
 ]
 
+_INT32_PAD = 2**31 - 1
+"""Embedding and sample ids are int32 in the buffers, and this value is their pad."""
+
 DEFAULT_ACTIVATION_MEMORY_LIMIT_BYTES = 2 * 1024 * 1024
 """Auto-stacking keeps each stack's activations per SparseCore under this (the anchor's default)."""
 
@@ -159,6 +162,15 @@ class StackedTable:
             raise ValueError(
                 f"stack {self.name!r}: suggested_coo_buffer_size_per_device must be positive"
             )
+        for what, value in (
+            ("rows per shard", self.rows_per_shard),
+            ("samples per SparseCore", self.batch_size_per_sparsecore),
+        ):
+            if value >= _INT32_PAD:
+                raise ValueError(
+                    f"stack {self.name!r}: {value} {what} do not fit the int32 buffers "
+                    f"(at most {_INT32_PAD - 1}); use more SparseCores or split the stack"
+                )
 
     @property
     def vocabulary_size(self) -> int:

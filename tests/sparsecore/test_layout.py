@@ -289,3 +289,9 @@ def test_feature_errors():
         stack_tables([FeatureSpec("f", table, 12)], topology)
     with pytest.raises(ValueError, match="feature 's': its 20 output rows"):
         stack_tables([FeatureSpec("s", table, 4, max_sequence_length=5)], topology)
+
+
+def test_stack_too_large_for_int32_buffers_is_rejected():
+    huge = TableSpec("huge", 2**33, 8)
+    with pytest.raises(ValueError, match="stack 'huge': 2147483648 rows per shard do not fit"):
+        stack_tables([FeatureSpec("f", huge, 4)], Topology.cpu(1, 4))

@@ -81,6 +81,19 @@ def mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     return jnp.sum(x, reduced, keepdims=keepdim) / _count(x, reduced)
 
 
+@registry.register(aten.logsumexp.default)
+def logsumexp(ctx, x, dim, keepdim=False):
+    """log(sum(exp(x))) shifted by the finite maximum for range, as ATen computes it."""
+    x = x.astype(opmath(ctx.out_dtype()))
+    reduced = axes(x.ndim, dim)
+    if x.size == 0:
+        return jnp.log(jnp.sum(jnp.exp(x), reduced, keepdims=keepdim))
+    shift = jnp.max(x, reduced, keepdims=True)
+    shift = jnp.where(jnp.isinf(shift), jnp.zeros((), x.dtype), shift)
+    total = jnp.log(jnp.sum(jnp.exp(x - shift), reduced, keepdims=keepdim))
+    return total + (shift if keepdim else jnp.squeeze(shift, reduced))
+
+
 # --- variance and standard deviation ----------------------------------------------------------
 
 
@@ -212,14 +225,19 @@ def _truth(x):
     return x if x.dtype == np.bool_ else x != 0
 
 
+def _logical_axes(x, dim) -> tuple[int, ...]:
+    """any/all differ from the other reductions: an empty dim list reduces nothing."""
+    return () if isinstance(dim, (tuple, list)) and not dim else axes(x.ndim, dim)
+
+
 @registry.register(aten.any.default, aten.any.dim, aten.any.dims)
 def any_(ctx, x, dim=None, keepdim=False):
-    return jnp.any(_truth(x), axes(x.ndim, dim), keepdims=keepdim)
+    return jnp.any(_truth(x), _logical_axes(x, dim), keepdims=keepdim)
 
 
 @registry.register(aten.all.default, aten.all.dim, aten.all.dims)
 def all_(ctx, x, dim=None, keepdim=False):
-    return jnp.all(_truth(x), axes(x.ndim, dim), keepdims=keepdim)
+    return jnp.all(_truth(x), _logical_axes(x, dim), keepdims=keepdim)
 
 
 @registry.register(aten.count_nonzero.dim_IntList)

@@ -162,7 +162,7 @@ def pack_buffers(
     allow_id_dropping: bool,
     with_unique_rows: bool,
 ) -> PackedBuffers:
-    """Lay `pairs` (in buffer order, see `MergedPairs`) out in the static buffers.
+    """Write `pairs` into the static buffers, each at its bucket's start plus its rank.
 
     If a SparseCore's entries overflow its segment, filling stops at the segment end (later
     partitions get no entries, their row pointers equal the segment length) and the raw ids not
@@ -175,20 +175,15 @@ def pack_buffers(
     rounded = (kept + 7) & ~7
     starts = np.cumsum(rounded, axis=1) - rounded
     ends = starts + kept
-    first = exclusive_cumsum(kept.reshape(-1)).reshape(kept.shape)
     if ends[:, -1].max(initial=0) > segment:
         needed = starts[:, -1] + rounded[:, -1]
         if not allow_id_dropping:
             device, sparsecore = divmod(int(np.argmax(needed)), per_device)
             raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
         starts, ends = np.minimum(starts, segment), np.minimum(ends, segment)
-        rank = np.arange(len(pairs.bucket)) - first.reshape(-1)[pairs.bucket]
-        pairs = select_pairs(pairs, rank < (ends - starts).reshape(-1)[pairs.bucket])
-        kept = pairs.kept_per_bucket
-        first = exclusive_cumsum(kept.reshape(-1)).reshape(kept.shape)
-    segment_starts = np.arange(len(kept))[:, None] * segment
-    offsets = (segment_starts + starts - first).reshape(-1)
-    slots = np.arange(len(pairs.bucket)) + offsets[pairs.bucket]
+        pairs = select_pairs(pairs, pairs.rank < (ends - starts).reshape(-1)[pairs.bucket])
+    offsets = (np.arange(len(kept))[:, None] * segment + starts).reshape(-1)
+    slots = offsets[pairs.bucket] + pairs.rank
     total = local_devices * sizes.coo_buffer_size_per_device
     embedding_ids = np.full(total, PAD_ID, dtype=np.int32)
     sample_ids = np.full(total, PAD_ID, dtype=np.int32)

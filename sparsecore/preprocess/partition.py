@@ -9,8 +9,9 @@ gain. Two stable sorts give the buffer order:
    SparseCore stay in input order, which is ascending sample order. Duplicate (sample, column)
    pairs are therefore adjacent runs; their gains are summed in input order in float32, as the
    reference does;
-2. of the merged pairs by bucket (local SparseCore * N + partition), which yields the order of
-   the buffers: SparseCore, partition, embedding id, sample.
+2. of the merged pairs by bucket (local SparseCore * N + partition), which yields each pair's
+   rank in the buffer order (SparseCore, partition, embedding id, sample) and so its slot; the
+   pairs themselves stay in key order, saving a gather per array.
 
 Stats and per-pair ranks follow; the stack's limits then raise `PartitionLimitError` or, with
 dropping allowed, drop the pairs past them, counting every raw id dropped.
@@ -155,18 +156,21 @@ class PartitionLimitError(ValueError):
 
 @dataclass(frozen=True)
 class MergedPairs:
-    """Distinct (sample, column) pairs of one stack in buffer order (local SparseCore,
-    partition, embedding id, sample), after the limits.
+    """Distinct (sample, column) pairs of one stack after the limits, in key order (device,
+    partition, embedding id, SparseCore, sample).
 
-    `bucket` = local SparseCore * N + partition. `row_group` numbers the distinct (device,
-    partition, embedding id) of each pair in ascending order; `row_group_key[g]` is group g's
-    key without the SparseCore field (see `KeyLayout.device_partition` and `KeyLayout.row`).
-    `ids_per_bucket` / `unique_per_bucket` count pairs / distinct columns per bucket BEFORE
-    dropping ([L*S, N]); `kept_per_bucket` counts the pairs that remain; `dropped_ids` counts
-    raw ids dropped.
+    `bucket` = local SparseCore * N + partition; `rank` is the pair's position among its
+    bucket's pairs in buffer order (embedding id, sample), so its slot is the bucket's start plus
+    `rank`. Dropping only ever removes a tail of a bucket, so ranks stay valid. `row_group`
+    numbers the distinct (device, partition, embedding id) of each pair in ascending order;
+    `row_group_key[g]` is group g's key without the SparseCore field (see
+    `KeyLayout.device_partition` and `KeyLayout.row`). `ids_per_bucket` / `unique_per_bucket`
+    count pairs / distinct columns per bucket BEFORE dropping ([L*S, N]); `kept_per_bucket`
+    counts the pairs that remain; `dropped_ids` counts raw ids dropped.
     """
 
     bucket: np.ndarray
+    rank: np.ndarray
     embedding_id: np.ndarray
     sample: np.ndarray
     gain: np.ndarray
@@ -283,10 +287,10 @@ def merge_pairs(
         row_group_key = column_keys[new_group]
     if per_device > 1:
         by_bucket = stable_argsort(bucket, buckets)
-        starts, count, gain = starts[by_bucket], count[by_bucket], gain[by_bucket]
-        new_column, embedding_id = new_column[by_bucket], embedding_id[by_bucket]
-        row_group = row_group[by_bucket] if with_row_groups else row_group
-        bucket = np.repeat(np.arange(buckets), ids_per_bucket)
+        sorted_bucket = np.repeat(np.arange(buckets), ids_per_bucket)
+    else:
+        by_bucket, sorted_bucket = None, bucket
+    rank = _rank_in_bucket(ids_per_bucket, by_bucket, sorted_bucket)
     ids_per_bucket = ids_per_bucket.reshape(local_scs, n)
     unique_per_bucket = unique_per_bucket.reshape(local_scs, n)
     table_ids_max, table_unique_max = _table_maxima(
@@ -306,13 +310,14 @@ def merge_pairs(
     elif (ids_per_bucket > stack.max_ids_per_partition).any() or (
         unique_per_bucket > stack.max_unique_ids_per_partition
     ).any():
-        rank = np.arange(len(bucket)) - exclusive_cumsum(ids_per_bucket.reshape(-1))[bucket]
-        first_column = exclusive_cumsum(unique_per_bucket.reshape(-1))[bucket]
-        column_rank = np.cumsum(new_column) - 1 - first_column
+        column_rank = _rank_in_bucket(
+            unique_per_bucket.reshape(-1), by_bucket, sorted_bucket, new_column
+        )
         keep = rank < stack.max_ids_per_partition
         keep &= column_rank < stack.max_unique_ids_per_partition
     pairs = MergedPairs(
         bucket=bucket,
+        rank=rank,
         embedding_id=embedding_id,
         sample=sorted_samples[starts],
         gain=gain,
@@ -329,11 +334,37 @@ def merge_pairs(
     return pairs if keep is None else select_pairs(pairs, keep)
 
 
+def _rank_in_bucket(
+    per_bucket: np.ndarray,
+    by_bucket: np.ndarray | None,
+    sorted_bucket: np.ndarray,
+    counted: np.ndarray | None = None,
+) -> np.ndarray:
+    """Position of each pair among its bucket's pairs in buffer order (0-based); with the
+    `counted` flags (first pair of each column), how many counted pairs of its bucket come at or
+    before it, minus one: the 0-based rank of its column.
+
+    `per_bucket` counts what is ranked per bucket; `by_bucket` is the stable order of the pairs
+    by bucket (None when they are in it already) and `sorted_bucket` their buckets in it.
+    """
+    if counted is None:
+        ranked = np.arange(len(sorted_bucket))
+    else:
+        ranked = np.cumsum(counted if by_bucket is None else counted[by_bucket]) - 1
+    ranked -= exclusive_cumsum(per_bucket)[sorted_bucket]
+    if by_bucket is None:
+        return ranked
+    rank = np.empty_like(ranked)
+    rank[by_bucket] = ranked
+    return rank
+
+
 def select_pairs(pairs: MergedPairs, keep: np.ndarray) -> MergedPairs:
     """Only the pairs where `keep` holds; the rest are counted as dropped ids."""
     kept = np.bincount(pairs.bucket[keep], minlength=pairs.kept_per_bucket.size)
     return MergedPairs(
         bucket=pairs.bucket[keep],
+        rank=pairs.rank[keep],
         embedding_id=pairs.embedding_id[keep],
         sample=pairs.sample[keep],
         gain=pairs.gain[keep],

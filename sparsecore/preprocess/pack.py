@@ -16,12 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsecore.layout import StackedTable, round_up
-from sparsecore.preprocess.partition import (
-    KeyLayout,
-    MergedPairs,
-    exclusive_cumsum,
-    select_pairs,
-)
+from sparsecore.preprocess.keys import KeyLayout
+from sparsecore.preprocess.partition import MergedPairs, exclusive_cumsum, select_pairs
 from sparsecore.topology import Topology
 
 __all__ = [
@@ -143,7 +139,7 @@ def _unique_rows(
     counts = np.bincount(device_partition, minlength=local_devices * n)
     rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
     unique_ids = np.full((local_devices * n, width), PAD_ID, dtype=np.int32)
-    unique_ids[device_partition, rank] = layout.row(keys)
+    unique_ids[device_partition, rank] = layout.row_of_row_key(keys)
     index_in_device = (device_partition & (n - 1)) * width + rank
     entry_index = np.full(local_devices * sizes.coo_buffer_size_per_device, PAD_ID, dtype=np.int32)
     entry_index[slots] = index_in_device[groups]

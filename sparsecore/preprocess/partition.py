@@ -24,96 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsecore.layout import StackedTable
-from sparsecore.topology import Topology
+from sparsecore.preprocess.keys import KeyLayout, stable_argsort
 
-__all__ = ["KeyLayout", "MergedPairs", "PartitionLimitError", "merge_pairs", "stable_argsort"]
-
-_DIGIT_BITS = 16
-
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """Bit fields of the sort key of one id: local device | partition | embedding id (row in
-    the shard) | SparseCore of the device, most significant first. N and S are powers of two;
-    the row field is rows_per_shard rounded up to a power of two, so every field is a shift."""
-
-    local_devices: int
-    num_sparsecores: int
-    rows_per_shard: int
-    sparsecores_per_device: int
-
-    @classmethod
-    def for_stack(cls, stack: StackedTable, topology: Topology) -> KeyLayout:
-        return cls(
-            topology.local_device_count,
-            topology.num_sparsecores,
-            stack.rows_per_shard,
-            topology.sparsecores_per_device,
-        )
-
-    @property
-    def local_sparsecores(self) -> int:
-        return self.local_devices * self.sparsecores_per_device
-
-    @property
-    def sc_bits(self) -> int:
-        return self.sparsecores_per_device.bit_length() - 1
-
-    @property
-    def row_bits(self) -> int:
-        return (self.rows_per_shard - 1).bit_length()
-
-    @property
-    def partition_bits(self) -> int:
-        return self.num_sparsecores.bit_length() - 1
-
-    @property
-    def bound(self) -> int:
-        """One past the largest key."""
-        return self.local_devices << (self.partition_bits + self.row_bits + self.sc_bits)
-
-    @property
-    def dtype(self) -> type[np.signedinteger]:
-        """int32 when every key (and so every id of the stack) fits, else int64: half the
-        memory traffic for the common case."""
-        return np.int32 if self.bound <= 2**31 else np.int64
-
-    def sample_part(self, local_sparsecore: np.ndarray) -> np.ndarray:
-        """Key bits set by where a sample goes: its device and SparseCore."""
-        local_sparsecore = local_sparsecore.astype(self.dtype)
-        device = local_sparsecore >> self.sc_bits
-        shift = self.partition_bits + self.row_bits + self.sc_bits
-        return (device << shift) | (local_sparsecore & (self.sparsecores_per_device - 1))
-
-    def id_part(self, partition: np.ndarray, row: np.ndarray) -> np.ndarray:
-        """Key bits set by the id: its partition and row in the partition's shard."""
-        return ((partition << self.row_bits) | row) << self.sc_bits
-
-    def device_partition(self, column_keys: np.ndarray) -> np.ndarray:
-        """device * N + partition, from keys shifted right by `sc_bits` (column keys)."""
-        return column_keys >> self.row_bits
-
-    def row(self, column_keys: np.ndarray) -> np.ndarray:
-        return column_keys & ((1 << self.row_bits) - 1)
-
-
-def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
-    """Stable argsort of non-negative integer keys below `bound`.
-
-    Least-significant-digit radix sort on 16-bit digits: NumPy sorts 16-bit keys stably in
-    linear time, several times faster than its comparison sort of int64 keys.
-    """
-    order: np.ndarray | None = None
-    shift = 0
-    while True:
-        digits = keys if order is None else keys[order]
-        if shift:
-            digits = digits >> shift
-        digit_order = np.argsort((digits & 0xFFFF).astype(np.uint16), kind="stable")
-        order = digit_order if order is None else order[digit_order]
-        shift += _DIGIT_BITS
-        if bound <= 1 << shift:
-            return order
+__all__ = ["MergedPairs", "PartitionLimitError", "merge_pairs", "select_pairs"]
 
 
 def first_of_runs(values: np.ndarray) -> np.ndarray:
@@ -163,8 +76,7 @@ class MergedPairs:
     bucket's pairs in buffer order (embedding id, sample), so its slot is the bucket's start plus
     `rank`. Dropping only ever removes a tail of a bucket, so ranks stay valid. `row_group`
     numbers the distinct (device, partition, embedding id) of each pair in ascending order;
-    `row_group_key[g]` is group g's key without the SparseCore field (see
-    `KeyLayout.device_partition` and `KeyLayout.row`). `ids_per_bucket` / `unique_per_bucket`
+    `row_group_key[g]` is group g's `KeyLayout.row_key`. `ids_per_bucket` / `unique_per_bucket`
     count pairs / distinct columns per bucket BEFORE dropping ([L*S, N]); `kept_per_bucket`
     counts the pairs that remain; `dropped_ids` counts raw ids dropped.
     """
@@ -262,37 +174,33 @@ def merge_pairs(
     """Sort, merge and count one stack's ids, then enforce its limits (see module docstring).
 
     `feature_starts[f]` is where feature f's ids start in the inputs (to name it in errors).
-    `with_row_groups=False` skips the (device, partition, row) groups (`row_group` is then
-    empty), which only the unique-row side-car needs.
+    `with_row_groups` computes the (device, partition, row) groups the unique-row side-car
+    needs (device-major keys only); otherwise `row_group` is empty.
     """
-    n, per_device = layout.num_sparsecores, layout.sparsecores_per_device
-    sc_bits, n_bits = layout.sc_bits, layout.partition_bits
-    local_scs = layout.local_sparsecores
     order, starts, count, gain, new_column, sorted_keys, sorted_samples = _merge_runs(
         keys, samples, gains, layout.bound
     )
     pair_keys = sorted_keys[starts]
-    column_keys = pair_keys >> sc_bits
-    device_partition = layout.device_partition(column_keys)
-    embedding_id = layout.row(column_keys)
-    local_sc = (device_partition >> n_bits << sc_bits) | (pair_keys & (per_device - 1))
-    bucket = (local_sc << n_bits) | (device_partition & (n - 1))
-    buckets = local_scs * n
+    bucket = layout.bucket(pair_keys)
+    embedding_id = layout.row(pair_keys)
+    buckets = layout.buckets
     ids_per_bucket = np.bincount(bucket, minlength=buckets)
     unique_per_bucket = np.bincount(bucket, new_column, minlength=buckets).astype(np.int64)
     row_group = row_group_key = np.zeros(0, dtype=np.int64)
     if with_row_groups:
-        new_group = first_of_runs(column_keys)
+        row_keys = layout.row_key(pair_keys)
+        new_group = first_of_runs(row_keys)
         row_group = np.cumsum(new_group) - 1
-        row_group_key = column_keys[new_group]
-    if per_device > 1:
+        row_group_key = row_keys[new_group]
+    if layout.in_buffer_order:
+        by_bucket, sorted_bucket = None, bucket
+    else:
         by_bucket = stable_argsort(bucket, buckets)
         sorted_bucket = np.repeat(np.arange(buckets), ids_per_bucket)
-    else:
-        by_bucket, sorted_bucket = None, bucket
     rank = _rank_in_bucket(ids_per_bucket, by_bucket, sorted_bucket)
-    ids_per_bucket = ids_per_bucket.reshape(local_scs, n)
-    unique_per_bucket = unique_per_bucket.reshape(local_scs, n)
+    shape = (layout.local_sparsecores, layout.num_sparsecores)
+    ids_per_bucket = ids_per_bucket.reshape(shape)
+    unique_per_bucket = unique_per_bucket.reshape(shape)
     table_ids_max, table_unique_max = _table_maxima(
         stack, bucket, embedding_id, new_column, ids_per_bucket, unique_per_bucket
     )
@@ -305,7 +213,13 @@ def merge_pairs(
             if counts.max(initial=0) > configured:
                 pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
                 _raise_limit_error(
-                    stack, limit, counts, configured, per_device, bucket, pair_feature
+                    stack,
+                    limit,
+                    counts,
+                    configured,
+                    layout.sparsecores_per_device,
+                    bucket,
+                    pair_feature,
                 )
     elif (ids_per_bucket > stack.max_ids_per_partition).any() or (
         unique_per_bucket > stack.max_unique_ids_per_partition

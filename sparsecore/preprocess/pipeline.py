@@ -16,7 +16,8 @@ import numpy as np
 
 from sparsecore.layout import StackedTable
 from sparsecore.preprocess.pack import BufferSizes, UniqueRows, buffer_sizes, pack_buffers
-from sparsecore.preprocess.partition import KeyLayout, MergedPairs, merge_pairs
+from sparsecore.preprocess.keys import KeyLayout
+from sparsecore.preprocess.partition import MergedPairs, merge_pairs
 from sparsecore.preprocess.ragged import RaggedIds, expand_feature
 from sparsecore.preprocess.stats import PartitionStats
 from sparsecore.topology import Topology
@@ -84,7 +85,7 @@ def preprocess_stack(
     missing = [f for f in stack.feature_names if f not in inputs]
     if missing:
         raise ValueError(f"stack {stack.name!r}: no input for feature(s) {missing}")
-    layout = KeyLayout.for_stack(stack, topology)
+    layout = KeyLayout.for_stack(stack, topology, sparsecore_major=not with_unique_rows)
     coordinates = [
         expand_feature(p, stack, layout, inputs[p.feature.name], topology) for p in stack.features
     ]

@@ -17,7 +17,7 @@ import numpy as np
 
 from sparsecore.layout import FeaturePlacement, StackedTable
 from sparsecore.preprocess.gains import combiner_gains
-from sparsecore.preprocess.partition import KeyLayout
+from sparsecore.preprocess.keys import KeyLayout
 from sparsecore.topology import Topology
 
 __all__ = ["RaggedIds", "FeatureCoordinates", "expand_feature"]

@@ -40,12 +40,21 @@ CONFORMANCE_OK = [
 ]
 
 
-def run(name: str, allow_id_dropping: bool | None = None, stack_limits: str = "recorded"):
+def run(
+    name: str,
+    allow_id_dropping: bool | None = None,
+    stack_limits: str = "recorded",
+    with_unique_rows: bool = True,
+):
     c = golden.case(name)
     dropping = c["allow_id_dropping"] if allow_id_dropping is None else allow_id_dropping
     stacks = golden.stacks(name, stack_limits)
     return preprocess(
-        stacks, golden.inputs(name), golden.topology(name), allow_id_dropping=dropping
+        stacks,
+        golden.inputs(name),
+        golden.topology(name),
+        allow_id_dropping=dropping,
+        with_unique_rows=with_unique_rows,
     )
 
 
@@ -121,9 +130,10 @@ def model_inputs(name: str) -> dict:
     return result
 
 
+@pytest.mark.parametrize("with_unique_rows", [True, False])
 @pytest.mark.parametrize("name", CONFORMANCE_OK)
-def test_conformance_buffers_and_stats(name):
-    assert_matches_outputs(name, run(name))
+def test_conformance_buffers_and_stats(name, with_unique_rows):
+    assert_matches_outputs(name, run(name, with_unique_rows=with_unique_rows))
 
 
 @pytest.mark.parametrize("name", CONFORMANCE_OK)

@@ -57,7 +57,7 @@ def scenarios(draw):
         else []
     )
     stacks = stack_tables(features, topology, groups)
-    return topology, stacks, dropping, draw(st.integers(0, 2**32 - 1))
+    return topology, stacks, dropping, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
 
 
 def make_inputs(stacks, topology, seed):
@@ -174,9 +174,16 @@ def assert_unique_rows_consistent(batch, n) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_buffers_match_model_and_decode_to_the_input(scenario):
-    topology, stacks, dropping, seed = scenario
+    topology, stacks, dropping, unique_rows, seed = scenario
     inputs, model_inputs = make_inputs(stacks, topology, seed)
-    batches = preprocess(stacks, inputs, topology, allow_id_dropping=dropping, num_threads=2)
+    batches = preprocess(
+        stacks,
+        inputs,
+        topology,
+        allow_id_dropping=dropping,
+        with_unique_rows=unique_rows,
+        num_threads=2,
+    )
     for stack in stacks:
         batch = batches[stack.name]
         model = preprocess_model(
@@ -193,7 +200,10 @@ def test_buffers_match_model_and_decode_to_the_input(scenario):
         assert_same(batch.stats.max_unique_ids_per_partition, model.max_unique)
         assert_same(batch.stats.required_buffer_size_per_sparsecore, model.required)
         assert batch.stats.id_drop_count == model.dropped
-        assert_unique_rows_consistent(batch, topology.num_sparsecores)
+        if unique_rows:
+            assert_unique_rows_consistent(batch, topology.num_sparsecores)
+        else:
+            assert batch.unique is None
         if model.dropped == 0:
             decoded = decode(stack, batch, topology)
             expected = merged_input(stack, model_inputs)
@@ -205,7 +215,7 @@ def test_buffers_match_model_and_decode_to_the_input(scenario):
 @settings(max_examples=15, deadline=None)
 @given(scenarios())
 def test_limits_without_dropping_raise_exactly_when_the_model_overflows(scenario):
-    topology, stacks, _, seed = scenario
+    topology, stacks, _, _, seed = scenario
     stacks = tuple(s.with_limits(3, 2, None) for s in stacks)
     inputs, model_inputs = make_inputs(stacks, topology, seed)
     over = False

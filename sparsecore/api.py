@@ -91,7 +91,9 @@ class SparseCoreEmbedding:
         self._sharded = NamedSharding(self.mesh, P(AXIS))
         self._replicated = NamedSharding(self.mesh, P())
         self._lookup = jax.jit(self.lookup_fn)
-        self._update = jax.jit(self.update_fn, donate_argnums=(0, 1, 2))
+        # keep_unused: the update never reads the workspace's values, but its donated buffer is
+        # where the program accumulates; without it jit would prune the argument.
+        self._update = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
         self._workspaces: dict[str, Array] | None = None
 
     # ----------------------------------------------------------------------------- state
@@ -235,6 +237,24 @@ class SparseCoreEmbedding:
             tables, slots, workspaces, batch, dict(activation_grads), self.hyperparameters(hyperparameters)
         )
         return tables, slots
+
+    def lower_lookup(self, tables: Tables, batch: Mapping[str, Any]) -> jax.stages.Lowered:
+        """The lookup program `lookup` runs, lowered for these arguments (to inspect its HLO)."""
+        return self._lookup.lower(tables, self._device_batch(batch))
+
+    def lower_update(
+        self,
+        tables: Tables,
+        slots: Slots,
+        batch: Mapping[str, Any],
+        activation_grads: Mapping[str, Array],
+        hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> jax.stages.Lowered:
+        """The update program `update` runs (donations included), lowered for these arguments."""
+        return self._update.lower(
+            tables, slots, self._new_workspaces(), self._device_batch(batch), dict(activation_grads),
+            self.hyperparameters(hyperparameters),
+        )
 
     def hyperparameters(self, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Per stack, its optimizer's hyper-parameters as float32 scalars, with `overrides`."""

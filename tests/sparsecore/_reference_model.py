@@ -33,6 +33,23 @@ def sample_gains(combiner: str, weights: list[np.float32]) -> list[np.float32]:
     return [np.float32(w / divisor) for w in weights]
 
 
+def ids_with_gains(stack, inputs):
+    """Every id of the stack's features in input order, as (feature placement, host-local
+    output row, id, float32 gain). `inputs[name]` = (per-sample id lists, per-sample weight
+    lists or None)."""
+    for fp in stack.features:
+        ids, weights = inputs[fp.feature.name]
+        seq = fp.feature.max_sequence_length
+        for b, sample in enumerate(ids):
+            if weights is None:
+                w = [np.float32(1.0)] * len(sample)
+            else:
+                w = [np.float32(x) for x in weights[b]]
+            gains = w if seq else sample_gains(stack.combiner.value, w)
+            for pos, (e, gain) in enumerate(zip(sample, gains)):
+                yield fp, (b * seq + pos if seq else b), int(e), gain
+
+
 @dataclass
 class ModelOutput:
     row_pointers: np.ndarray
@@ -59,31 +76,18 @@ def preprocess_model(
     n = g * s_per
     # entries[(d, s)][(p, emb, sample)] = [gain, raw count]
     entries: dict = {(d, s): {} for d in range(l) for s in range(s_per)}
-    for fp in stack.features:
-        feature = fp.feature
+    for fp, row, e, gain in ids_with_gains(stack, inputs):
         table = stack.tables[fp.table_index]
-        ids, weights = inputs[feature.name]
-        seq = feature.max_sequence_length
-        q = fp.samples_per_sparsecore
-        for b, sample in enumerate(ids):
-            w = (
-                [np.float32(1.0)] * len(sample)
-                if weights is None
-                else [np.float32(x) for x in weights[b]]
-            )
-            gains = w if seq else sample_gains(stack.combiner.value, w)
-            for pos, (e, gain) in enumerate(zip(sample, gains)):
-                row = b * seq + pos if seq else b
-                local_sc, j = divmod(row, q)
-                d, s = divmod(local_sc, s_per)
-                key = (
-                    (int(e) + table.shard_rotation) % n,
-                    int(e) // n + table.row_offset_in_shard,
-                    fp.sample_offset_in_sparsecore + j,
-                )
-                slot = entries[(d, s)].setdefault(key, [np.float32(0.0), 0])
-                slot[0] = np.float32(slot[0] + gain)
-                slot[1] += 1
+        local_sc, j = divmod(row, fp.samples_per_sparsecore)
+        d, s = divmod(local_sc, s_per)
+        key = (
+            (e + table.shard_rotation) % n,
+            e // n + table.row_offset_in_shard,
+            fp.sample_offset_in_sparsecore + j,
+        )
+        slot = entries[(d, s)].setdefault(key, [np.float32(0.0), 0])
+        slot[0] = np.float32(slot[0] + gain)
+        slot[1] += 1
     r = max(n, 8)
     seg = coo_size // s_per
     rp = np.zeros((l, s_per * r), np.int32)

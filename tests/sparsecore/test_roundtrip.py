@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _reference_model import preprocess_model, sample_gains
+from _reference_model import ids_with_gains, preprocess_model
 from sparsecore.layout import StackGroup, shard_and_local_row, stack_tables
 from sparsecore.preprocess import PAD_ID, PartitionLimitError, RaggedIds, preprocess
 from sparsecore.spec import FeatureSpec, TableSpec
@@ -139,19 +139,9 @@ def decode(stack, batch, topology) -> dict:
 def merged_input(stack, model_inputs) -> dict:
     """(feature, host-local row, id) -> float32 gain summed in input order, from the raw input."""
     expected = {}
-    for fp in stack.features:
-        ids, weights = model_inputs[fp.feature.name]
-        seq = fp.feature.max_sequence_length
-        for b, sample in enumerate(ids):
-            w = (
-                [np.float32(1)] * len(sample)
-                if weights is None
-                else [np.float32(x) for x in weights[b]]
-            )
-            gains = w if seq else sample_gains(stack.combiner.value, w)
-            for pos, (ident, gain) in enumerate(zip(sample, gains)):
-                key = (fp.feature.name, b * seq + pos if seq else b, int(ident))
-                expected[key] = np.float32(expected.get(key, np.float32(0)) + gain)
+    for fp, row, ident, gain in ids_with_gains(stack, model_inputs):
+        key = (fp.feature.name, row, ident)
+        expected[key] = np.float32(expected.get(key, np.float32(0)) + gain)
     return expected
 
 

@@ -51,21 +51,22 @@ def _out(functional: Callable, op: OpOverload) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def get(op: OpOverload) -> Callable[..., Any] | None:
-    """The decomposition to run for `op` on `tpu`, or None."""
+    """The decomposition to run for `op` on `tpu`, or None.
+
+    In-place and `out=` overloads run their functional overload (lowered or decomposed) and
+    write the result back, with PyTorch's resize rule for `out=`; PyTorch's own entries for
+    those overloads are used only when there is no functional overload to go through.
+    """
     if registry.get(op) is not None:
         return None
-    decomposition = decomposition_table.get(op)
-    if decomposition is not None:
-        return decomposition
-    if not signature(op).written:
-        return None
-    functional = functional_variant(op)
-    if functional is None or functional is op:
-        return None
-    if registry.get(functional) is None and decomposition_table.get(functional) is None:
-        return None
-    run_functional = functional
-    return _out(run_functional, op) if signature(op).is_out else _inplace(run_functional, op)
+    sig = signature(op)
+    if sig.written:
+        functional = functional_variant(op)
+        if functional is not None and functional is not op and (
+            registry.get(functional) is not None or functional in decomposition_table
+        ):
+            return _out(functional, op) if sig.is_out else _inplace(functional, op)
+    return decomposition_table.get(op)
 
 
 def for_compile() -> dict[OpOverload, Callable[..., Any]]:

@@ -6,6 +6,7 @@ from torchtpu.ops import (  # noqa: F401
     conv,
     creation,
     data_dependent,
+    foreach,
     embedding,
     indexing,
     linalg,

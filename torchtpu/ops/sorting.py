@@ -6,7 +6,7 @@ equal values keep their original order, so indices are deterministic. Top-k is t
 by a slice, a pattern XLA rewrites into its TopK kernel on TPU.
 
 Scans accumulate in PyTorch's opmath dtype; `cummax`/`cummin` follow ATen's CPU rule: ties take
-the later index, and a NaN, once met, stays with the index of the first NaN.
+the later index, and a NaN, once met, stays (with the index of the latest NaN).
 """
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ def logcumsumexp(ctx, x, dim):
 
 
 def _cumulative_select(x, dim: int, largest: bool):
-    """Running max (min) and its index: ties take the later index, NaN sticks from its first."""
+    """Running max (min) and its index: ties and every NaN take the later index, and once a NaN
+    is met no number replaces it (the selection is by a total order, so the scan is associative)."""
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
     axis = _axis(x, dim)
@@ -192,7 +193,7 @@ def _cumulative_select(x, dim: int, largest: bool):
         (ev, ei), (lv, li) = earlier, later
         take_later = lv >= ev if largest else lv <= ev
         if floating:
-            take_later = ~jnp.isnan(ev) & (jnp.isnan(lv) | take_later)
+            take_later = jnp.isnan(lv) | (~jnp.isnan(ev) & take_later)
         return jnp.where(take_later, lv, ev), jnp.where(take_later, li, ei)
 
     values, indices = lax.associative_scan(combine, (keys, index), axis=axis)

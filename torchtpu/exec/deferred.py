@@ -36,7 +36,8 @@ from torchtpu import counters, dtypes, runtime
 from torchtpu.exec import eager, opcall
 from torchtpu.storage import DeviceBuffer, new_tensor
 
-MAX_PENDING_OPS = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "2048"))
+MAX_PENDING_OPS = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "1024"))
+MIN_LOOP_OPS = 8
 
 
 class Pending:
@@ -67,12 +68,20 @@ class _Graph:
     input_owner: dict[int, Any] = field(default_factory=dict)  # input index -> weakref(buffer)
     owners: list[Any] = field(default_factory=list)  # weakrefs of buffers holding promises
     devices: set = field(default_factory=set)
+    # The graph's structure, built as nodes are recorded: (id of the node's Program -- Programs
+    # live as long as the process -- its wiring, its dynamic inputs).
+    structure: list[tuple] = field(default_factory=list)
 
 
-class _State(threading.local):
+class _State:
+    """The one pending graph of the process. Not thread-local: PyTorch's autograd engine runs
+    backward ops for a device on its own worker thread, and they belong to the same program
+    order as the forward ops that produced their inputs."""
+
     def __init__(self) -> None:
         self.graph = _Graph()
         self.flushing = False
+        self.lock = threading.RLock()
 
 
 _state = _State()
@@ -97,6 +106,17 @@ def _input(graph: _Graph, array, owner: DeviceBuffer | None) -> int:
 
 def record(call: opcall.Call) -> Any:
     """Record one call; return its result with promises in place of values."""
+    with _state.lock:
+        return _record(call)
+
+
+def _record(call: opcall.Call) -> Any:
+    pending = _state.graph.nodes
+    if len(pending) >= MIN_LOOP_OPS and call.key == pending[0].program.key:
+        # The op that opened the pending graph comes again: a loop iteration (a training step)
+        # is complete. Running it now keeps each fused program one iteration long, so steady
+        # loops replay a cached executable instead of compiling ever longer graphs.
+        flush("loop")
     graph = _state.graph
     program = opcall.program_for(call)
     _check_traceable(call, program)
@@ -116,7 +136,9 @@ def record(call: opcall.Call) -> Any:
         dynamic.append(len(graph.inputs))
         graph.inputs.append(np.asarray(value) if not isinstance(value, np.ndarray) else value)
     node_index = len(graph.nodes)
-    graph.nodes.append(_Node(program, tuple(wiring), tuple(dynamic)))
+    node = _Node(program, tuple(wiring), tuple(dynamic))
+    graph.nodes.append(node)
+    graph.structure.append((id(program), node.wiring, node.dynamic))
     graph.devices.add(call.device)
     counters.count("defer_ops_recorded")
 
@@ -209,15 +231,16 @@ def forget(buffer: DeviceBuffer) -> None:
 
 def flush(reason: str) -> None:
     """Compile (or reuse) and run everything pending as one XLA computation."""
-    graph = _state.graph
-    if not graph.nodes or _state.flushing:
-        return
-    _state.flushing = True
-    try:
-        _state.graph = _Graph()
-        _run(graph, reason)
-    finally:
-        _state.flushing = False
+    with _state.lock:
+        graph = _state.graph
+        if not graph.nodes or _state.flushing:
+            return
+        _state.flushing = True
+        try:
+            _state.graph = _Graph()
+            _run(graph, reason)
+        finally:
+            _state.flushing = False
 
 
 def _run(graph: _Graph, reason: str) -> None:
@@ -242,25 +265,21 @@ def _run(graph: _Graph, reason: str) -> None:
         for i in host_nodes
         for k in range(_count_host(graph.nodes[i].program.result))
     )
-    donate = tuple(
-        i for i, owner in graph.input_owner.items()
-        if (owner() is None or owner().value is not graph.inputs[i])
-    )
+    donate = _donatable(graph, [p for _, p in live])
     if len(graph.devices) > 1:
         raise RuntimeError(
             f"defer mode: one pending graph touches several devices {sorted(graph.devices)}; "
             "flush (torch.tpu.synchronize()) before moving work to another device"
         )
     device = next(iter(graph.devices))
-    structure = tuple((node.program.key, node.wiring, node.dynamic) for node in graph.nodes)
-    key = (structure, outputs, host_outputs, donate, device, len(graph.inputs))
+    key = (tuple(graph.structure), outputs, host_outputs, donate, device, len(graph.inputs))
     executable = _executables.get(key)
     if executable is None:
         start = time.perf_counter()
         executable = _compile(graph, outputs + host_outputs, donate, device)
         _executables[key] = executable
         counters.count("defer_compiles")
-        _log_recompile(key)
+        _log_recompile([node.program.key for node in graph.nodes])
         results = executable(*graph.inputs)
         counters.add_time("defer_compile", time.perf_counter() - start)
     else:
@@ -271,6 +290,26 @@ def _run(graph: _Graph, reason: str) -> None:
         buffer.value = results[position[(promise.node, promise.index)]]
     for k, (node_index, _) in enumerate(host_outputs):
         _host_results.setdefault(node_index, []).append(results[len(outputs) + k])
+
+
+def _donatable(graph: _Graph, promises: list[Pending]) -> tuple[int, ...]:
+    """Inputs whose buffers no live storage holds any more and that an output of the same shape
+    and dtype can reuse (XLA can only donate into a matching output)."""
+    wanted: dict[tuple, int] = {}
+    for promise in promises:
+        aval = (promise.shape, np.dtype(promise.dtype))
+        wanted[aval] = wanted.get(aval, 0) + 1
+    donate = []
+    for index, owner in graph.input_owner.items():
+        buffer = owner()
+        array = graph.inputs[index]
+        if buffer is not None and buffer.value is array:
+            continue
+        aval = (tuple(array.shape), np.dtype(array.dtype))
+        if wanted.get(aval, 0) > 0:
+            wanted[aval] -= 1
+            donate.append(index)
+    return tuple(donate)
 
 
 def _compile(graph: _Graph, outputs: tuple, donate: tuple, device: int):
@@ -295,34 +334,29 @@ def _compile(graph: _Graph, outputs: tuple, donate: tuple, device: int):
     )
 
 
-def _log_recompile(key: tuple) -> None:
-    if os.environ.get("TORCHTPU_LOG_RECOMPILES", "0") in ("", "0"):
-        _recent_keys.append(key)
-        return
-    print(f"[torchtpu] defer: compiling a new graph of {len(key[0])} ops; "
-          + describe_difference(key, _recent_keys), file=sys.stderr)
-    _recent_keys.append(key)
+def _log_recompile(program_keys: list[tuple]) -> None:
+    if os.environ.get("TORCHTPU_LOG_RECOMPILES", "0") not in ("", "0"):
+        print(f"[torchtpu] defer: compiling a new graph of {len(program_keys)} ops; "
+              + describe_difference(program_keys, _recent_keys), file=sys.stderr)
+    _recent_keys.append(program_keys)
+    del _recent_keys[:-64]
 
 
-def describe_difference(key: tuple, previous: list[tuple]) -> str:
-    """How `key` differs from the most similar earlier graph (for the recompile log)."""
+def describe_difference(program_keys: list[tuple], previous: list[list[tuple]]) -> str:
+    """How a graph (its ops' compile keys) differs from the most similar earlier one."""
     if not previous:
         return "first graph"
-    structure = key[0]
 
     def distance(other):
-        s = other[0]
-        return sum(1 for a, b in zip(structure, s) if a != b) + abs(len(structure) - len(s))
+        return sum(1 for a, b in zip(program_keys, other) if a != b) + abs(len(program_keys) - len(other))
 
     nearest = min(previous, key=distance)
-    other = nearest[0]
-    if len(other) != len(structure):
-        return f"nearest cached graph has {len(other)} ops instead of {len(structure)}"
-    for position, (a, b) in enumerate(zip(structure, other)):
+    for position, (a, b) in enumerate(zip(program_keys, nearest)):
         if a == b:
             continue
-        (op_a, *_), (op_b, *_) = a[0], b[0]
-        if op_a != op_b:
-            return f"op {position} is {op_a} instead of {op_b}"
-        return f"op {position} ({op_a}): " + opcall.describe_key_difference(a[0], b[0])
+        if a[0] != b[0]:
+            return f"op {position} is {a[0]} where the nearest cached graph has {b[0]}"
+        return f"op {position} ({a[0]}): " + opcall.describe_key_difference(a, b)
+    if len(nearest) != len(program_keys):
+        return f"the nearest cached graph has {len(nearest)} ops instead of {len(program_keys)}"
     return "same ops; different outputs, donation or inputs"

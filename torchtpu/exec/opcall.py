@@ -461,6 +461,8 @@ def describe_key_difference(a: tuple, b: tuple) -> str:
         return f"matmul precision {a[1]} instead of {b[1]}"
     if a[2] != b[2]:
         return f"device tpu:{a[2]} instead of tpu:{b[2]}"
+    if not isinstance(a[0], OpOverload):
+        return "the inputs' shapes, dtypes or layouts differ"
     sig = signature(a[0])
     for arg, x, y in zip(sig.args, a[4], b[4]):
         if x == y:

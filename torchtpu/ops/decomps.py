@@ -62,10 +62,12 @@ def get(op: OpOverload) -> Callable[..., Any] | None:
     sig = signature(op)
     if sig.written:
         functional = functional_variant(op)
-        if functional is not None and functional is not op and (
-            registry.get(functional) is not None or functional in decomposition_table
-        ):
-            return _out(functional, op) if sig.is_out else _inplace(functional, op)
+        if functional is not None and functional is not op:
+            # Call the functional lowering through its kernel, or the functional decomposition
+            # directly: PyTorch's C++ functional kernel may itself call this out= overload.
+            compute = functional if registry.get(functional) is not None else decomposition_table.get(functional)
+            if compute is not None:
+                return _out(compute, op) if sig.is_out else _inplace(compute, op)
     return decomposition_table.get(op)
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torchtpu.ops import registry
 from torchtpu.ops.promotion import DEFAULT, pointwise
 
 aten = torch.ops.aten
@@ -83,6 +84,20 @@ def leaky_relu(ctx, x, negative_slope=0.01):
 @gradient(aten.leaky_relu_backward.default)
 def leaky_relu_backward(ctx, grad, x, negative_slope, self_is_result):
     return jnp.where(x > 0, grad, grad * _like(negative_slope, grad))
+
+
+@registry.register(aten.rrelu_with_noise_functional.default, dynamic_scalars=True, random=True)
+def rrelu_with_noise_functional(ctx, x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """Randomized leaky ReLU: in training, negative inputs get a slope drawn uniformly from
+    [lower, upper] (returned as the new noise; 1 for positive inputs); otherwise the mean slope.
+    (`rrelu_with_noise`, which mutates `noise`, is the same op in place.)"""
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    value = x.astype(compute)
+    if not training:
+        return jnp.where(value > 0, value, value * ((lower + upper) / 2)), noise
+    drawn = jax.random.uniform(ctx.rng_key(), x.shape, compute, minval=lower, maxval=upper)
+    slope = jnp.where(value > 0, jnp.ones_like(value), drawn)
+    return value * slope, slope
 
 
 @gradient(aten.rrelu_with_noise_backward.default, operands=("grad_output", "self", "noise"))
@@ -255,7 +270,7 @@ def hardswish(ctx, x):
 
 @gradient(aten.hardswish_backward.default)
 def hardswish_backward(ctx, grad, x):
-    return jnp.where(x < -3, _zero(grad), jnp.where(x <= 3, grad * (x / 3 + 0.5), grad))
+    return jnp.where(x <= -3, _zero(grad), jnp.where(x < 3, grad * (x / 3 + 0.5), grad))
 
 
 @activation(aten.softshrink.default)

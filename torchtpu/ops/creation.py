@@ -82,9 +82,11 @@ def linspace(ctx, start, end, steps, *, dtype=None, layout=None, device=None, pi
 
 @registry.register(aten.logspace.default)
 def logspace(ctx, start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """base ** linspace(start, end): exponents and powers in opmath for floating outputs (float32
+    for bfloat16, unlike linspace itself), float64 for integer outputs."""
     out = ctx.out_dtype()
-    exponents = linspace_values(start, end, steps, out)
     compute = np.dtype(np.float64) if _integral(out) else opmath(out)
+    exponents = linspace_values(start, end, steps, out if _integral(out) else compute)
     return jnp.power(jnp.asarray(base, compute), exponents.astype(compute))
 
 

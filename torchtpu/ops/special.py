@@ -119,17 +119,29 @@ for _ops, _log in (
 # --- incomplete gamma ------------------------------------------------------------------------------
 
 
+def _incomplete_gamma(a, x, regularized, lower: bool):
+    """P(a, x) (`lower`) or Q(a, x), with the edge cases of PyTorch's kernel: NaN for negative
+    arguments, a == 0 and x == 0 decided first, then infinite a, then infinite x."""
+    a, x = jnp.broadcast_arrays(a, x)
+    one, zero = jnp.ones_like(a), jnp.zeros_like(a)
+    full, empty = (one, zero) if lower else (zero, one)
+    nan = jnp.full_like(a, jnp.nan)
+    value = regularized(a, x)
+    value = jnp.where(jnp.isinf(x), full, value)
+    value = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, empty), value)
+    value = jnp.where(x == 0, empty, value)
+    value = jnp.where(a == 0, jnp.where(x > 0, full, nan), value)
+    return jnp.where((x < 0) | (a < 0), nan, value)
+
+
 @pointwise(aten.igamma.default, promotion=INT_TO_FLOAT)
 def igamma(ctx, a, x):
-    # P(inf, x) = 0 for finite x (jax gives NaN).
-    a, x = jnp.broadcast_arrays(a, x)
-    return jnp.where(jnp.isposinf(a) & jnp.isfinite(x), jnp.zeros_like(a), jss.gammainc(a, x))
+    return _incomplete_gamma(a, x, jss.gammainc, lower=True)
 
 
 @pointwise(aten.igammac.default, promotion=INT_TO_FLOAT)
 def igammac(ctx, a, x):
-    a, x = jnp.broadcast_arrays(a, x)
-    return jnp.where(jnp.isposinf(a) & jnp.isfinite(x), jnp.ones_like(a), jss.gammaincc(a, x))
+    return _incomplete_gamma(a, x, jss.gammaincc, lower=False)
 
 
 # --- Hurwitz zeta and polygamma --------------------------------------------------------------------
@@ -162,21 +174,27 @@ def _zeta(s, q):
     skip = ~(s > 1) | pole | undefined | huge_q | ~jnp.isfinite(q)
 
     def pending(state):
-        _, a, count, converged, _ = state
+        _, _, a, count, converged, _ = state
         return ~converged & ((count < 9) | (a <= 9))
 
     def add_term(state):
-        total, a, count, converged, last = state
+        # Neumaier's compensated sum: for q < 0, terms of opposite signs cancel to a small value.
+        total, compensation, a, count, converged, last = state
         active = pending(state)
         a = jnp.where(active, a + 1, a)
         term = jnp.where(active, a ** -s, 0)
-        total = total + term
-        converged = converged | (active & (jnp.abs(term / total) < eps))
-        return total, a, count + active, converged, jnp.where(active, term, last)
+        new_total = total + term
+        compensation = compensation + jnp.where(
+            jnp.abs(total) >= jnp.abs(term), (total - new_total) + term, (term - new_total) + total
+        )
+        converged = converged | (active & (jnp.abs(term / new_total) < eps))
+        return new_total, compensation, a, count + active, converged, jnp.where(active, term, last)
 
     first = jnp.where(skip, 1, q) ** -s
-    state = (first, jnp.where(skip, 10, q), jnp.zeros(s.shape, jnp.int32), skip, first)
-    total, w, _, converged, last = lax.while_loop(lambda st: jnp.any(pending(st)), add_term, state)
+    zeros = jnp.zeros_like(s)
+    state = (first, zeros, jnp.where(skip, 10, q), jnp.zeros(s.shape, jnp.int32), skip, first)
+    total, compensation, w, _, converged, last = lax.while_loop(lambda st: jnp.any(pending(st)), add_term, state)
+    total = total + compensation
     tail = total + last * w / (s - 1) - last / 2
     stopped = converged
     rising, power = jnp.ones_like(s), last

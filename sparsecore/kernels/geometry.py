@@ -104,6 +104,18 @@ class KernelGeometry:
         return min(self.sparsecores_per_device * per_partition, self.segment_size)
 
     @property
+    def chunk(self) -> int:
+        """Entries per step of the accumulate loops: at most `entry_chunk`, a multiple of 8,
+        chosen so that whole chunks tile a window with the least padding."""
+        steps = -(-self.window // self.entry_chunk)
+        return round_up(-(-self.window // steps), 8)
+
+    @property
+    def padded_window(self) -> int:
+        """`window` rounded up to whole chunks (the tail slots are invalid)."""
+        return round_up(self.window, self.chunk)
+
+    @property
     def rows_per_device(self) -> int:
         """Rows of the table (and of every slot) one device holds: its S shards."""
         return self.sparsecores_per_device * self.rows_per_shard

@@ -82,13 +82,17 @@ def accumulate_gradients(
 ) -> Array:
     """`workspace[slot of entry] += gain * grads[entry's source sample]` over all real entries;
     the workspace must be zero. `grads` is every device's `[G*S*B, D]`."""
-    per_source = geometry.sparsecores_per_device * geometry.window
-    source = jnp.arange(entries.rows.shape[0], dtype=jnp.int32) // per_source
-    flat = source * geometry.sparsecores_per_device * geometry.unique_rows_per_partition + entries.unique_slots
+    slot_of = slot_of.reshape(-1)
     discard = workspace.shape[0] - 1
-    slots = jnp.where(entries.valid, slot_of.reshape(-1)[jnp.where(entries.valid, flat, 0)], discard)
-    read = jnp.where(entries.valid, entries.outputs, -1)
-    return accumulate_rows(workspace, grads, read, slots, entries.gains, geometry.entry_chunk)
+    per_source = geometry.sparsecores_per_device * geometry.unique_rows_per_partition
+
+    def read(window: Array, offset: Array) -> tuple[Array, Array, Array]:
+        chunk = entries.read(window, offset)
+        flat = OwnedEntries.source_device(window, geometry) * per_source + chunk.unique_slots
+        slots = jnp.where(chunk.valid, slot_of[jnp.where(chunk.valid, flat, 0)], discard)
+        return jnp.where(chunk.valid, chunk.outputs, -1), slots, chunk.gains
+
+    return accumulate_rows(workspace, grads, entries.used, read, geometry.chunk)
 
 
 def apply_optimizer(

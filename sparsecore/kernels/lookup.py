@@ -27,9 +27,12 @@ def pooled_partials(table: Array, entries: OwnedEntries, geometry: KernelGeometr
     """Owner side: partial activations `[G*S*B, D]` of every source sample from this device's
     shards."""
     zeros = jnp.zeros((geometry.num_devices * geometry.samples_per_device, table.shape[1]), table.dtype)
-    return accumulate_rows(
-        varying(zeros, axis_name), table, entries.rows, entries.outputs, entries.gains, geometry.entry_chunk
-    )
+
+    def read(window: Array, offset: Array) -> tuple[Array, Array, Array]:
+        entries_chunk = entries.read(window, offset)
+        return entries_chunk.rows, entries_chunk.outputs, entries_chunk.gains
+
+    return accumulate_rows(varying(zeros, axis_name), table, entries.used, read, geometry.chunk)
 
 
 def lookup_local(

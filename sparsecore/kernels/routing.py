@@ -1,16 +1,18 @@
-"""Collectives of the stand-in kernels: entries to the device owning their SparseCore, and back.
+"""How entries reach the device that owns their SparseCore (and activations come back).
 
 Runs per device inside `shard_map` over a 1-D mesh (axis `axis_name`, one position per device).
 Each local SparseCore s sends, to every device e, the *window* of its segment that holds
 partitions e*S .. e*S+S-1 (contiguous in the buffer, at most `geometry.window` slots). Slots are
 masked by the row pointers before they leave: gaps, pads and the undefined tail after the last
-partition never reach an owner. One `all_to_all` moves (row, unique slot, sample, gain) per slot;
-the owner then knows, for every entry, which local table row it reads and which source sample it
-feeds. Activations go back with a second `all_to_all`; activation gradients reach every owner
-with an `all_gather`.
+partition never reach an owner. One `all_to_all` moves (row, unique slot, sample, gain) per slot,
+a second the windows' used lengths. With a single device nothing moves: the owner reads its own
+buffers in place, chunk by chunk, with the same masking. Activations go back with an
+`all_to_all`; activation gradients reach every owner with an `all_gather`.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -22,9 +24,14 @@ from sparsecore.kernels.geometry import KernelGeometry
 Array = jax.Array
 
 
-class OwnedEntries(NamedTuple):
-    """The entries one device received for its S shards, flat over [source device, source
-    SparseCore, window slot]. Invalid slots have `rows == -1` and `gains == 0`."""
+class EntryChunk(NamedTuple):
+    """`geometry.chunk` consecutive slots of one window.
+
+    `rows`: owner-local table row (target SparseCore * rows_per_shard + embedding id), -1 where
+    the slot holds no entry; `outputs`: the source sample ((source device * S + source
+    SparseCore) * B + sample id); `unique_slots`: t * U + k into the source device's unique
+    lists of target t; `gains`: 0 where the slot holds no entry.
+    """
 
     rows: Array
     unique_slots: Array
@@ -36,17 +43,34 @@ class OwnedEntries(NamedTuple):
         return self.rows >= 0
 
 
-def _window_slots(row_pointers: Array, geometry: KernelGeometry) -> tuple[Array, Array, Array]:
-    """Per (local SparseCore, destination device, window slot): position in the SparseCore's
-    segment, whether it holds a real entry, and its target SparseCore on the destination."""
-    g, s, n = geometry.num_devices, geometry.sparsecores_per_device, geometry.num_sparsecores
+@dataclasses.dataclass(frozen=True)
+class OwnedEntries:
+    """The entries one device owns, as G*S windows (source device, source SparseCore): window w
+    can hold real entries only in its first `used[w]` slots; `read(w, offset)` returns the chunk
+    starting at `offset` (a multiple of `geometry.chunk`)."""
+
+    used: Array
+    read: Callable[[Array, Array], EntryChunk]
+
+    @staticmethod
+    def source_device(window: Array, geometry: KernelGeometry) -> Array:
+        return window // geometry.sparsecores_per_device
+
+
+def _partition_bounds(row_pointers: Array, geometry: KernelGeometry) -> tuple[Array, Array]:
+    """Start and (exclusive) end of every partition in each local SparseCore's segment, [S, N]."""
+    s, n = geometry.sparsecores_per_device, geometry.num_sparsecores
     ends = row_pointers.reshape(s, geometry.row_pointers_per_sparsecore)[:, :n]
     rounded = (ends + 7) // 8 * 8
-    starts = jnp.concatenate([jnp.zeros((s, 1), ends.dtype), rounded[:, :-1]], axis=1)
-    starts, ends = starts.reshape(s, g, 1, s), ends.reshape(s, g, 1, s)
-    position = starts[..., 0] + jnp.arange(geometry.window, dtype=ends.dtype)
-    inside = (position[..., None] >= starts) & (position[..., None] < ends)
-    return position, inside.any(axis=-1), jnp.argmax(inside, axis=-1).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((s, 1), ends.dtype), rounded[:, :-1]], axis=1), ends
+
+
+def _classify(position: Array, starts: Array, ends: Array) -> tuple[Array, Array]:
+    """For segment positions at or after `starts[..., 0]`: whether each holds a real entry of one
+    of the S partitions bounded by `starts`/`ends [..., S]`, and that partition's index."""
+    target = jnp.sum(position[..., None] >= starts[..., None, 1:], axis=-1, dtype=jnp.int32)
+    end = jnp.take_along_axis(ends, target.reshape(*ends.shape[:-1], -1), axis=-1).reshape(target.shape)
+    return position < end, target
 
 
 def route_entries(
@@ -58,30 +82,54 @@ def route_entries(
     geometry: KernelGeometry,
     axis_name: str,
 ) -> OwnedEntries:
-    """Send every real entry of this device's buffers to the device that owns its partition.
+    """The entries this device owns, from its 1-D buffers (and the side-car's
+    `entry_unique_index`, or None when only a lookup is needed)."""
+    starts, ends = _partition_bounds(row_pointers, geometry)
+    s, c = geometry.sparsecores_per_device, geometry.chunk
+    if entry_unique_index is None:
+        entry_unique_index = jnp.zeros_like(embedding_ids)
+    if geometry.num_devices == 1:
 
-    Inputs are this device's 1-D buffers; `entry_unique_index` is the host side-car (or None when
-    only a lookup is needed). Returns the entries this device owns, source-major.
-    """
-    g, s = geometry.num_devices, geometry.sparsecores_per_device
-    position, valid, target = _window_slots(row_pointers, geometry)
-    sparsecore = jnp.arange(s, dtype=jnp.int32).reshape(s, 1, 1)
-    index = jnp.minimum(sparsecore * geometry.segment_size + position, geometry.coo_buffer_size - 1)
-    rows = jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1)
-    fields = [rows, jnp.where(valid, sample_ids[index], 0)]
-    fields.append(lax.bitcast_convert_type(jnp.where(valid, gains[index], 0.0), jnp.int32))
-    if entry_unique_index is not None:
-        destination = jnp.arange(g, dtype=jnp.int32).reshape(1, g, 1)
-        first_partition = destination * s * geometry.unique_rows_per_partition
-        fields.append(jnp.where(valid, entry_unique_index[index] - first_partition, 0))
-    payload = jnp.stack(fields, axis=-1).swapaxes(0, 1)
-    payload = lax.all_to_all(payload, axis_name, split_axis=0, concat_axis=0)
-    source = jnp.arange(g * s, dtype=jnp.int32).reshape(g, s, 1) * geometry.batch_size_per_sparsecore
-    rows = payload[..., 0]
-    outputs = jnp.where(rows >= 0, source + payload[..., 1], 0)
-    gains = lax.bitcast_convert_type(payload[..., 2], jnp.float32)
-    unique_slots = payload[..., 3] if entry_unique_index is not None else jnp.zeros_like(rows)
-    return OwnedEntries(rows.reshape(-1), unique_slots.reshape(-1), outputs.reshape(-1), gains.reshape(-1))
+        def read_in_place(window: Array, offset: Array) -> EntryChunk:
+            position = offset + jnp.arange(c, dtype=jnp.int32)
+            valid, target = _classify(position, starts[window], ends[window])
+            index = jnp.minimum(window * geometry.segment_size + position, geometry.coo_buffer_size - 1)
+            return EntryChunk(
+                rows=jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
+                unique_slots=jnp.where(valid, entry_unique_index[index], 0),
+                outputs=jnp.where(valid, window * geometry.batch_size_per_sparsecore + sample_ids[index], 0),
+                gains=jnp.where(valid, gains[index], 0.0),
+            )
+
+        return OwnedEntries(jnp.minimum(ends[:, -1], geometry.padded_window), read_in_place)
+
+    g = geometry.num_devices
+    starts, ends = starts.reshape(s, g, s), ends.reshape(s, g, s)
+    position = starts[..., :1] + jnp.arange(geometry.padded_window, dtype=jnp.int32)
+    valid, target = _classify(position, starts, ends)
+    index = jnp.minimum(jnp.arange(s).reshape(s, 1, 1) * geometry.segment_size + position, geometry.coo_buffer_size - 1)
+    first_partition = jnp.arange(g, dtype=jnp.int32).reshape(1, g, 1) * s * geometry.unique_rows_per_partition
+    fields = [
+        jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
+        jnp.where(valid, entry_unique_index[index] - first_partition, 0),
+        jnp.where(valid, sample_ids[index], 0),
+        lax.bitcast_convert_type(jnp.where(valid, gains[index], 0.0), jnp.int32),
+    ]
+    payload = lax.all_to_all(jnp.stack(fields, axis=-1).swapaxes(0, 1), axis_name, split_axis=0, concat_axis=0)
+    payload = payload.reshape(g * s, geometry.padded_window, len(fields))
+    used = jnp.minimum(ends[..., -1] - starts[..., 0], geometry.padded_window).swapaxes(0, 1)
+    used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0).reshape(-1)
+
+    def read_received(window: Array, offset: Array) -> EntryChunk:
+        rows, unique_slots, samples, gain_bits = lax.dynamic_slice(payload, (window, offset, 0), (1, c, len(fields)))[0].T
+        return EntryChunk(
+            rows=rows,
+            unique_slots=unique_slots,
+            outputs=jnp.where(rows >= 0, window * geometry.batch_size_per_sparsecore + samples, 0),
+            gains=lax.bitcast_convert_type(gain_bits, jnp.float32),
+        )
+
+    return OwnedEntries(used, read_received)
 
 
 def route_unique_rows(unique_ids: Array, geometry: KernelGeometry, axis_name: str) -> Array:

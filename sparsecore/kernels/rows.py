@@ -8,6 +8,8 @@ the entries in fixed chunks whose `[chunk, D]` temporaries stay in cache and are
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,31 +43,33 @@ def scatter_rows(target: Array, rows: Array, updates: Array, *, add: bool, uniqu
     )
 
 
-def in_chunks(chunk: int, *columns: Array) -> tuple[Array, ...]:
-    """Pad 1-D columns with zeros to a multiple of `chunk` and reshape them to [steps, chunk]."""
-    length = columns[0].shape[0]
-    padding = -length % chunk
-    return tuple(jnp.pad(c, (0, padding)).reshape(-1, chunk) for c in columns)
-
-
 def varying(x: Array, axis_name: str) -> Array:
     """Mark a freshly created value as per-device, so it can carry a loop inside `shard_map`."""
     return lax.pcast(x, (axis_name,), to="varying")
 
 
 def accumulate_rows(
-    target: Array, source: Array, read: Array, write: Array, weights: Array, chunk: int
+    target: Array,
+    source: Array,
+    used: Array,
+    read_chunk: Callable[[Array, Array], tuple[Array, Array, Array]],
+    chunk: int,
 ) -> Array:
-    """`target[write[i]] += weights[i] * source[read[i]]` over all i with `read[i] >= 0`,
-    chunk by chunk; entries with a negative `read` add nothing (not even a NaN times zero)."""
+    """`target[write] += weights * source[read]` over windows of slots, chunk by chunk.
 
-    def step(total: Array, columns: tuple[Array, Array, Array]) -> tuple[Array, None]:
-        r, w, g = columns
-        rows = gather_rows(source, r)
-        contribution = jnp.where((r >= 0)[:, None], g[:, None] * rows, 0.0)
-        return scatter_rows(total, w, contribution, add=True), None
+    Window w holds `used[w]` slots that may be real; `read_chunk(w, offset)` gives the `(read,
+    write, weights)` of the `chunk` slots at `offset`. The loop visits only chunks that cover
+    used slots. Slots with a negative `read` add nothing (not even a NaN times zero).
+    """
+    per_window = (used + chunk - 1) // chunk
+    ends = jnp.cumsum(per_window)
+    starts = ends - per_window
 
-    padded_read = jnp.pad(read, (0, -read.shape[0] % chunk), constant_values=-1).reshape(-1, chunk)
-    write, weights = in_chunks(chunk, write, weights)
-    total, _ = lax.scan(step, target, (padded_read, write, weights))
-    return total
+    def step(index: Array, total: Array) -> Array:
+        window = jnp.sum(index >= ends, dtype=jnp.int32)
+        read, write, weights = read_chunk(window, (index - starts[window]) * chunk)
+        rows = gather_rows(source, read)
+        contribution = jnp.where((read >= 0)[:, None], weights[:, None] * rows, 0.0)
+        return scatter_rows(total, write, contribution, add=True)
+
+    return lax.fori_loop(0, ends[-1], step, target)

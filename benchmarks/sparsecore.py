@@ -1,0 +1,178 @@
+"""SparseCore stand-in kernels against FBGEMM's CPU table-batched embedding, on the same ids.
+
+Workload (the issue's): 8 tables of 100k or 1M rows, dim 64 or 128, batch 2048, 20 ids per bag,
+Zipf(1.05) ids (hashed ranks, as `benchmarks/sparsecore_preprocess.py` draws them), sum pooling,
+all 8 tables stacked into one SparseCore stack. Limits come from one warm-up pass
+(`update_limits`, margin 1.2). For each configuration it prints median milliseconds of
+
+* FBGEMM (`SplitTableBatchedEmbeddingBagsCodegen`, HOST/CPU, fp32): forward, and forward +
+  backward + fused EXACT_SGD / EXACT_ROWWISE_ADAGRAD;
+* the device step of `sparsecore.api.SparseCoreEmbedding` (lookup; lookup + fused update) on
+  buffers already on the device;
+* host preprocessing (`sparsecore.preprocess.preprocess` + `put_batch`) of the same batch;
+
+and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, not absolute times,
+are the result: every number comes from the same run on the same machine.
+
+    .venv/bin/python -m benchmarks.sparsecore [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.sparsecore_preprocess import zipf_ids
+from sparsecore import optimizers
+from sparsecore.api import SparseCoreEmbedding
+from sparsecore.layout import StackGroup, stack_tables
+from sparsecore.preprocess import RaggedIds, preprocess, update_limits
+from sparsecore.spec import FeatureSpec, TableSpec
+from sparsecore.topology import Topology
+
+TABLES = 8
+BATCH = 2048
+IDS_PER_BAG = 20
+LEARNING_RATE = 0.01
+
+
+def median_ms(step: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `step` after one warm-up call (which compiles)."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def workload(rows: int, dim: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = [zipf_ids(rng, rows, BATCH * IDS_PER_BAG).astype(np.int32) for _ in range(TABLES)]
+    grads = [rng.normal(size=(BATCH, dim)).astype(np.float32) for _ in range(TABLES)]
+    return ids, grads
+
+
+class Fbgemm:
+    """FBGEMM's CPU TBE over the same tables and ids (the baseline)."""
+
+    def __init__(self, rows: int, dim: int, optimizer: str, ids, grads) -> None:
+        import fbgemm_gpu  # noqa: F401  (registers the ops)
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            EmbeddingLocation,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.torch = torch
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * TABLES,
+            optimizer=getattr(EmbOptimType, optimizer),
+            learning_rate=LEARNING_RATE,
+            pooling_mode=PoolingMode.SUM,
+        )
+        self.indices = torch.from_numpy(np.concatenate(ids).astype(np.int64))
+        self.offsets = torch.arange(0, TABLES * BATCH * IDS_PER_BAG + 1, IDS_PER_BAG, dtype=torch.int64)
+        self.grad = torch.from_numpy(np.concatenate(grads, axis=1))
+
+    def forward(self) -> None:
+        with self.torch.no_grad():
+            self.tbe(self.indices, self.offsets)
+
+    def train_step(self) -> None:
+        self.tbe(self.indices, self.offsets).backward(self.grad)
+
+
+class SparseCore:
+    """The SparseCore stand-in over the same tables and ids."""
+
+    def __init__(self, rows: int, dim: int, optimizer: optimizers.OptimizerSpec, topology: Topology, ids, grads) -> None:
+        generous = BATCH * IDS_PER_BAG  # for the warm-up pass, which then sets the real limits
+        tables = [
+            TableSpec(f"table_{t}", rows, dim, optimizer=optimizer, max_ids_per_partition=generous, max_unique_ids_per_partition=generous)
+            for t in range(TABLES)
+        ]
+        features = [FeatureSpec(f"feature_{t}", tables[t], BATCH) for t in range(TABLES)]
+        lengths = np.full(BATCH, IDS_PER_BAG)
+        self.inputs = {f.name: RaggedIds(ids[t], lengths=lengths) for t, f in enumerate(features)}
+        self.topology = topology
+        stacks = stack_tables(features, topology, [StackGroup(tuple(t.name for t in tables))])
+        warm = preprocess(stacks, self.inputs, topology)
+        self.stacks = tuple(update_limits(s, warm[s.name].stats, margin=1.2) for s in stacks)
+        self.engine = SparseCoreEmbedding(self.stacks, topology)
+        self.tables, self.slots = self.engine.init(jax.random.key(0))
+        self.batch = self.host_step()
+        self.grads = {f.name: jnp.asarray(grads[t]) for t, f in enumerate(features)}
+
+    def host_step(self):
+        return self.engine.put_batch(preprocess(self.stacks, self.inputs, self.topology))
+
+    def forward(self) -> None:
+        jax.block_until_ready(self.engine.lookup(self.tables, self.batch))
+
+    def train_step(self) -> None:
+        activations = self.engine.lookup(self.tables, self.batch)
+        self.tables, self.slots = self.engine.update(self.tables, self.slots, self.batch, self.grads)
+        jax.block_until_ready((activations, self.tables, self.slots))
+
+
+def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
+    ids, grads = workload(rows, dim)
+    results = []
+    for label, fbgemm_name, spec in (
+        ("SGD", "EXACT_SGD", optimizers.SGD(learning_rate=LEARNING_RATE)),
+        ("row-wise Adagrad", "EXACT_ROWWISE_ADAGRAD", optimizers.RowWiseAdagrad(learning_rate=LEARNING_RATE)),
+    ):
+        ours = SparseCore(rows, dim, spec, topology, ids, grads)
+        host = median_ms(ours.host_step, repeats)
+        if not results:
+            forward = median_ms(ours.forward, repeats)
+        train = median_ms(ours.train_step, repeats)
+        del ours
+        gc.collect()
+        baseline = Fbgemm(rows, dim, fbgemm_name, ids, grads)
+        if not results:
+            results.append(("forward", median_ms(baseline.forward, repeats), forward, host))
+        results.append((f"fwd+bwd+{label}", median_ms(baseline.train_step, repeats), train, host))
+        del baseline
+        gc.collect()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--devices", type=int, default=1, help="stand-in devices (JAX CPU devices)")
+    parser.add_argument("--sparsecores", type=int, default=4, help="SparseCores per stand-in device")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    topology = Topology.cpu(args.devices, args.sparsecores)
+    print(
+        f"{TABLES} tables, batch {BATCH}, {IDS_PER_BAG} ids/bag, Zipf(1.05), sum pooling; stand-in: "
+        f"{args.devices} device(s) x {args.sparsecores} SparseCores; medians of {args.repeats}; ms"
+    )
+    header = f"{'rows':>9} {'dim':>4}  {'step':<26}{'FBGEMM':>8}{'device':>9}{'host prep':>11}{'prep+dev':>10}{'device/FB':>11}{'total/FB':>10}"
+    print(header)
+    for rows in args.rows:
+        for dim in args.dims:
+            for step, fbgemm_ms, device_ms, host_ms in run(rows, dim, topology, args.repeats):
+                total = device_ms + host_ms
+                print(
+                    f"{rows:>9} {dim:>4}  {step:<26}{fbgemm_ms:>8.2f}{device_ms:>9.2f}{host_ms:>11.2f}"
+                    f"{total:>10.2f}{device_ms / fbgemm_ms:>10.2f}x{total / fbgemm_ms:>9.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()

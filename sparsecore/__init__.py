@@ -1,5 +1,6 @@
 """SparseCore embedding model in JAX and NumPy: topology, specs, layout, host preprocessing."""
 
+from sparsecore.api import SparseCoreEmbedding, differentiable_lookup, make_mesh
 from sparsecore.layout import (
     FeaturePlacement,
     StackedTable,
@@ -10,6 +11,17 @@ from sparsecore.layout import (
     stack_and_shard,
     stack_tables,
     unshard_and_unstack,
+)
+from sparsecore.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    LaProp,
+    OptimizerSpec,
+    RowWiseAdagrad,
+    optimizer_from_name,
 )
 from sparsecore.preprocess import (
     BufferOverflowError,

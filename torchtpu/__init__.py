@@ -20,6 +20,7 @@ from torchtpu.exec import kernels as _kernels  # noqa: E402
 _kernels.register_all()
 
 from torchtpu import serialization as _serialization  # noqa: E402
+from torchtpu import kernels  # noqa: E402,F401  (torchtpu.kernels.jax_kernel)
 
 _serialization.register()
 

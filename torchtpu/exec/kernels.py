@@ -28,7 +28,7 @@ from torchtpu.ops.schema import functional_variant, signature
 aten = torch.ops.aten
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
-_impl_lib = torch.library.Library("aten", "IMPL")
+_impl_libs: dict[str, torch.library.Library] = {}
 _fallback_lib = torch.library.Library("_", "IMPL")
 _registered: set[OpOverload] = set()
 
@@ -78,7 +78,10 @@ def _view_kernel(op: OpOverload):
 def _register(op: OpOverload, kernel) -> None:
     if op in _registered:
         return
-    _impl_lib.impl(op, kernel, "PrivateUse1")
+    lib = _impl_libs.get(op.namespace)
+    if lib is None:
+        lib = _impl_libs[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+    lib.impl(op, kernel, "PrivateUse1")
     _registered.add(op)
 
 

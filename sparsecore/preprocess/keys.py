@@ -14,6 +14,7 @@ Within equal keys a stable sort keeps input order, i.e. ascending sample order.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +48,10 @@ def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """Bit fields of the sort key of one stack's ids on this host (see module docstring)."""
+    """Bit fields of the sort key of one stack's ids on `sparsecores` consecutive local
+    SparseCores (whole devices in the device-major layout; see module docstring)."""
 
-    local_devices: int
+    sparsecores: int
     num_sparsecores: int
     rows_per_shard: int
     sparsecores_per_device: int
@@ -59,22 +61,33 @@ class KeyLayout:
     def for_stack(
         cls, stack: StackedTable, topology: Topology, sparsecore_major: bool
     ) -> KeyLayout:
+        """The layout of all of this host's SparseCores."""
         return cls(
-            topology.local_device_count,
+            topology.local_sparsecores,
             topology.num_sparsecores,
             stack.rows_per_shard,
             topology.sparsecores_per_device,
             sparsecore_major,
         )
 
-    @property
-    def local_sparsecores(self) -> int:
-        return self.local_devices * self.sparsecores_per_device
+    def chunk(self, first: int, end: int) -> KeyLayout:
+        """The layout of local SparseCores [first, end), whose keys are this layout's keys
+        minus `base(first)`."""
+        if not self.sparsecore_major and (first | end) % self.sparsecores_per_device:
+            raise ValueError(f"device-major key chunks must be whole devices, got [{first}, {end})")
+        return dataclasses.replace(self, sparsecores=end - first)
+
+    def base(self, first: int) -> int:
+        """Key of the first id of local SparseCore `first` (partition 0, row 0)."""
+        if self.sparsecore_major:
+            return first << (self.partition_bits + self.row_bits)
+        device = first // self.sparsecores_per_device
+        return device << (self.partition_bits + self.row_bits + self.sc_bits)
 
     @property
     def buckets(self) -> int:
-        """(local SparseCore, partition) pairs: the partitions of the buffers."""
-        return self.local_sparsecores * self.num_sparsecores
+        """(SparseCore, partition) pairs covered: the partitions of the buffers."""
+        return self.sparsecores * self.num_sparsecores
 
     @property
     def sc_bits(self) -> int:
@@ -91,7 +104,7 @@ class KeyLayout:
     @property
     def bound(self) -> int:
         """One past the largest key."""
-        return self.local_devices << (self.partition_bits + self.row_bits + self.sc_bits)
+        return self.sparsecores << (self.partition_bits + self.row_bits)
 
     @property
     def in_buffer_order(self) -> bool:

@@ -27,7 +27,7 @@ __all__ = [
     "PackedBuffers",
     "UniqueRows",
     "buffer_sizes",
-    "pack_buffers",
+    "pack_chunk",
 ]
 
 PAD_ID = 2**31 - 1
@@ -113,59 +113,77 @@ class UniqueRows:
 
 @dataclass(frozen=True)
 class PackedBuffers:
-    """One stack's buffers for this host's local devices (leading dim L)."""
+    """One stack's buffers for this host (leading dim L), preset to pads and filled chunk by
+    chunk of local SparseCores; `unique` is present when the side-car is built."""
 
     row_pointers: np.ndarray
     embedding_ids: np.ndarray
     sample_ids: np.ndarray
     gains: np.ndarray
     unique: UniqueRows | None
-    dropped_ids: int
+
+    @classmethod
+    def empty(cls, sizes: BufferSizes, topology: Topology, with_unique_rows: bool) -> PackedBuffers:
+        devices, n = topology.local_device_count, topology.num_sparsecores
+        coo = (devices, sizes.coo_buffer_size_per_device)
+        unique = None
+        if with_unique_rows:
+            unique = UniqueRows(
+                unique_ids=np.full((devices, n, sizes.unique_rows_per_partition), PAD_ID, np.int32),
+                unique_counts=np.zeros((devices, n), np.int32),
+                entry_unique_index=np.full(coo, PAD_ID, np.int32),
+            )
+        return cls(
+            row_pointers=np.zeros((devices, sizes.row_pointers_size_per_device), np.int32),
+            embedding_ids=np.full(coo, PAD_ID, np.int32),
+            sample_ids=np.full(coo, PAD_ID, np.int32),
+            gains=np.full(coo, np.nan, np.float32),
+            unique=unique,
+        )
 
 
-def _unique_rows(
-    pairs: MergedPairs, slots: np.ndarray, sizes: BufferSizes, layout: KeyLayout
-) -> UniqueRows:
-    """Distinct (device, partition, row) among the written entries, and each entry's index."""
-    width = sizes.unique_rows_per_partition
+def _write_unique_rows(
+    unique: UniqueRows, pairs: MergedPairs, slots: np.ndarray, layout: KeyLayout, first: int
+) -> None:
+    """Distinct (device, partition, row) among a chunk's written entries, and each entry's
+    index; the chunk covers whole devices from local SparseCore `first` on."""
+    n, width = layout.num_sparsecores, unique.unique_ids.shape[-1]
     groups, keys = pairs.row_group, pairs.row_group_key
     if pairs.dropped_ids:
         present = np.zeros(len(keys), dtype=bool)
         present[groups] = True
         groups = (np.cumsum(present) - 1)[groups]
         keys = keys[present]
-    n, local_devices = layout.num_sparsecores, layout.local_devices
     device_partition = layout.device_partition(keys)
-    counts = np.bincount(device_partition, minlength=local_devices * n)
-    rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
-    unique_ids = np.full((local_devices * n, width), PAD_ID, dtype=np.int32)
-    unique_ids[device_partition, rank] = layout.row_of_row_key(keys)
-    index_in_device = (device_partition & (n - 1)) * width + rank
-    entry_index = np.full(local_devices * sizes.coo_buffer_size_per_device, PAD_ID, dtype=np.int32)
-    entry_index[slots] = index_in_device[groups]
-    return UniqueRows(
-        unique_ids=unique_ids.reshape(local_devices, n, width),
-        unique_counts=counts.astype(np.int32).reshape(local_devices, n),
-        entry_unique_index=entry_index.reshape(local_devices, -1),
+    counts = np.bincount(
+        device_partition, minlength=layout.buckets // layout.sparsecores_per_device
     )
+    rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
+    first_row = first // layout.sparsecores_per_device * n
+    unique.unique_counts.reshape(-1)[first_row : first_row + len(counts)] = counts
+    unique_ids = unique.unique_ids.reshape(-1, width)
+    unique_ids[first_row + device_partition, rank] = layout.row_of_row_key(keys)
+    index_in_device = (device_partition & (n - 1)) * width + rank
+    unique.entry_unique_index.reshape(-1)[slots] = index_in_device[groups]
 
 
-def pack_buffers(
+def pack_chunk(
     stack: StackedTable,
     layout: KeyLayout,
     pairs: MergedPairs,
     sizes: BufferSizes,
+    buffers: PackedBuffers,
+    first: int,
     allow_id_dropping: bool,
-    with_unique_rows: bool,
-) -> PackedBuffers:
-    """Write `pairs` into the static buffers, each at its bucket's start plus its rank.
+) -> int:
+    """Write a chunk's `pairs` (local SparseCores from `first` on) into `buffers`, each at its
+    bucket's start plus its rank; return the raw ids dropped.
 
     If a SparseCore's entries overflow its segment, filling stops at the segment end (later
     partitions get no entries, their row pointers equal the segment length) and the raw ids not
     written are counted -- only with `allow_id_dropping`; otherwise `BufferOverflowError`.
     """
-    n, local_devices = layout.num_sparsecores, layout.local_devices
-    per_device = layout.sparsecores_per_device
+    n = layout.num_sparsecores
     segment = sizes.coo_buffer_size_per_sparsecore
     kept = pairs.kept_per_bucket
     rounded = (kept + 7) & ~7
@@ -174,30 +192,21 @@ def pack_buffers(
     if ends[:, -1].max(initial=0) > segment:
         needed = starts[:, -1] + rounded[:, -1]
         if not allow_id_dropping:
-            device, sparsecore = divmod(int(np.argmax(needed)), per_device)
+            device, sparsecore = divmod(
+                first + int(np.argmax(needed)), layout.sparsecores_per_device
+            )
             raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
         starts, ends = np.minimum(starts, segment), np.minimum(ends, segment)
         pairs = select_pairs(pairs, pairs.rank < (ends - starts).reshape(-1)[pairs.bucket])
-    offsets = (np.arange(len(kept))[:, None] * segment + starts).reshape(-1)
+    chunk = slice(first, first + len(kept))
+    offsets = (np.arange(first, chunk.stop)[:, None] * segment + starts).reshape(-1)
     slots = offsets[pairs.bucket] + pairs.rank
-    total = local_devices * sizes.coo_buffer_size_per_device
-    embedding_ids = np.full(total, PAD_ID, dtype=np.int32)
-    sample_ids = np.full(total, PAD_ID, dtype=np.int32)
-    gains = np.full(total, np.nan, dtype=np.float32)
-    embedding_ids[slots] = pairs.embedding_id
-    sample_ids[slots] = pairs.sample
-    gains[slots] = pairs.gain
-    row_pointers = np.empty((len(kept), sizes.row_pointers_per_sparsecore), np.int32)
-    row_pointers[:, :n] = ends
-    row_pointers[:, n:] = (ends[:, -1:] + 7) & ~7
-    unique = None
-    if with_unique_rows:
-        unique = _unique_rows(pairs, slots, sizes, layout)
-    return PackedBuffers(
-        row_pointers=row_pointers.reshape(local_devices, -1),
-        embedding_ids=embedding_ids.reshape(local_devices, -1),
-        sample_ids=sample_ids.reshape(local_devices, -1),
-        gains=gains.reshape(local_devices, -1),
-        unique=unique,
-        dropped_ids=pairs.dropped_ids,
-    )
+    buffers.embedding_ids.reshape(-1)[slots] = pairs.embedding_id
+    buffers.sample_ids.reshape(-1)[slots] = pairs.sample
+    buffers.gains.reshape(-1)[slots] = pairs.gain
+    row_pointers = buffers.row_pointers.reshape(-1, sizes.row_pointers_per_sparsecore)
+    row_pointers[chunk, :n] = ends
+    row_pointers[chunk, n:] = (ends[:, -1:] + 7) & ~7
+    if buffers.unique is not None:
+        _write_unique_rows(buffers.unique, pairs, slots, layout, first)
+    return pairs.dropped_ids

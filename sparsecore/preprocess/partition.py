@@ -122,14 +122,15 @@ def _raise_limit_error(
     limit: str,
     counts: np.ndarray,
     configured: int,
-    sparsecores_per_device: int,
+    layout: KeyLayout,
+    first_sparsecore: int,
     pair_bucket: np.ndarray,
     pair_feature: np.ndarray,
 ) -> None:
     """Raise `PartitionLimitError` for the (SparseCore, partition) with the largest count."""
     worst = int(np.argmax(counts))
     local_sc, partition = divmod(worst, counts.shape[1])
-    device, sparsecore = divmod(local_sc, sparsecores_per_device)
+    device, sparsecore = divmod(first_sparsecore + local_sc, layout.sparsecores_per_device)
     features = np.unique(pair_feature[pair_bucket == worst])
     names = tuple(stack.features[f].feature.name for f in features)
     raise PartitionLimitError(
@@ -169,9 +170,11 @@ def merge_pairs(
     gains: np.ndarray | None,
     feature_starts: np.ndarray,
     allow_id_dropping: bool,
-    with_row_groups: bool = True,
+    with_row_groups: bool,
+    first_sparsecore: int,
 ) -> MergedPairs:
-    """Sort, merge and count one stack's ids, then enforce its limits (see module docstring).
+    """Sort, merge and count the ids of a chunk of one stack's local SparseCores (from
+    `first_sparsecore` on, keys relative to it), then enforce the stack's limits.
 
     `feature_starts[f]` is where feature f's ids start in the inputs (to name it in errors).
     `with_row_groups` computes the (device, partition, row) groups the unique-row side-car
@@ -198,7 +201,7 @@ def merge_pairs(
         by_bucket = stable_argsort(bucket, buckets)
         sorted_bucket = np.repeat(np.arange(buckets), ids_per_bucket)
     rank = _rank_in_bucket(ids_per_bucket, by_bucket, sorted_bucket)
-    shape = (layout.local_sparsecores, layout.num_sparsecores)
+    shape = (layout.sparsecores, layout.num_sparsecores)
     ids_per_bucket = ids_per_bucket.reshape(shape)
     unique_per_bucket = unique_per_bucket.reshape(shape)
     table_ids_max, table_unique_max = _table_maxima(
@@ -213,13 +216,7 @@ def merge_pairs(
             if counts.max(initial=0) > configured:
                 pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
                 _raise_limit_error(
-                    stack,
-                    limit,
-                    counts,
-                    configured,
-                    layout.sparsecores_per_device,
-                    bucket,
-                    pair_feature,
+                    stack, limit, counts, configured, layout, first_sparsecore, bucket, pair_feature
                 )
     elif (ids_per_bucket > stack.max_ids_per_partition).any() or (
         unique_per_bucket > stack.max_unique_ids_per_partition

@@ -2,10 +2,10 @@
 
 `RaggedIds` is the input container (values + lengths or offsets, optional weights; int32 or
 int64 ids, float32 or float64 weights, all read with their real dtype). `expand_feature` checks
-it against its `FeaturePlacement` and returns, for every id in input order, its sort key (a
-`KeyLayout`: local device, partition, embedding id, SparseCore), the SparseCore-local sample id
-and the combiner gain. Every check names the feature and the
-offending value.
+it against its `FeaturePlacement` and returns, for every id in input order, its sort key (see
+`KeyLayout`), the SparseCore-local sample id and the combiner gain, plus where each local
+SparseCore's ids start (they are contiguous). Every check names the feature and the offending
+value.
 """
 
 from __future__ import annotations
@@ -71,12 +71,14 @@ class RaggedIds:
 
 @dataclass(frozen=True)
 class FeatureCoordinates:
-    """Per id of one feature, in input order: stack key (see module docstring), SparseCore-local
-    sample id, gain (None: all 1)."""
+    """Per id of one feature, in input order: sort key, SparseCore-local sample id and gain
+    (None: all 1). The ids of local SparseCore c are [sparsecore_starts[c],
+    sparsecore_starts[c + 1])."""
 
     keys: np.ndarray
     samples: np.ndarray
     gains: np.ndarray | None
+    sparsecore_starts: np.ndarray
 
 
 def _lengths(name: str, ids: RaggedIds, num_samples: int) -> np.ndarray:
@@ -206,14 +208,18 @@ def expand_feature(
     values = _check_values(name, ids, table.table.vocabulary_size, table.table.name, layout.dtype)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
+    per_sparsecore = placement.samples_per_sparsecore
+    sparsecore_rows = np.arange(topology.local_sparsecores + 1) * per_sparsecore
     if feature.is_sequence:
         rows = _sequence_rows(name, lengths, feature.max_sequence_length)
         row_keys, samples = _row_coordinates(rows, placement, layout)
+        sparsecore_starts = np.searchsorted(rows, sparsecore_rows)
     else:
         row_keys, samples = _row_coordinates(np.arange(num_samples), placement, layout)
         row_keys, samples = np.repeat(row_keys, lengths), np.repeat(samples, lengths)
+        sparsecore_starts = np.concatenate([[0], np.cumsum(lengths)])[sparsecore_rows]
     partition = (values + placement.col_shift) & (n - 1)
     keys = layout.id_part(partition, (values >> (n.bit_length() - 1)) + table.row_offset_in_shard)
     keys |= row_keys
     gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
-    return FeatureCoordinates(keys, samples, gains)
+    return FeatureCoordinates(keys, samples, gains, sparsecore_starts)

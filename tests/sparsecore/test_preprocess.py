@@ -3,6 +3,8 @@ raise or drop and count, stats feed `update_limits`, and the unique-row side-car
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from sparsecore.preprocess import (
     BufferOverflowError,
     PartitionLimitError,
     RaggedIds,
+    pipeline,
     preprocess,
     preprocess_stack,
     update_limits,
@@ -389,3 +392,20 @@ def test_package_attribute_is_the_preprocess_module_not_the_function():
 
     assert sparsecore.preprocess.preprocess is preprocess
     assert sparsecore.RaggedIds is RaggedIds
+
+
+@pytest.mark.parametrize("with_unique_rows", [True, False])
+def test_errors_name_the_absolute_device_and_sparsecore_when_chunked(with_unique_rows):
+    topology = Topology.cpu(2, 2)
+    stacks = one_stack(topology=topology, batch=8, max_ids_per_partition=2)
+    lengths = [0, 0, 0, 0, 0, 0, 3, 0]  # sample 6: device 1, SparseCore 1
+    ids = lengths_input([0, 4, 8], lengths)
+    with mock.patch.object(pipeline, "CHUNK_IDS", 1):
+        with pytest.raises(PartitionLimitError) as error:
+            preprocess(stacks, {"f": ids}, topology, with_unique_rows=with_unique_rows)
+    assert (error.value.device, error.value.sparsecore, error.value.partition) == (1, 1, 0)
+    stacks = one_stack(topology=topology, batch=8, suggested_coo_buffer_size_per_device=16)
+    with mock.patch.object(pipeline, "CHUNK_IDS", 1):
+        with pytest.raises(BufferOverflowError) as overflow:
+            preprocess(stacks, {"f": lengths_input(np.arange(0, 40, 4), [0] * 7 + [10])}, topology)
+    assert (overflow.value.device, overflow.value.sparsecore) == (1, 1)

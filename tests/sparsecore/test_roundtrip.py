@@ -10,6 +10,8 @@ and the unique-row side-car must index the same rows as the buffers.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from _reference_model import ids_with_gains, preprocess_model
 from sparsecore.layout import StackGroup, shard_and_local_row, stack_tables
-from sparsecore.preprocess import PAD_ID, PartitionLimitError, RaggedIds, preprocess
+from sparsecore.preprocess import PAD_ID, PartitionLimitError, RaggedIds, pipeline, preprocess
 from sparsecore.spec import FeatureSpec, TableSpec
 from sparsecore.topology import Topology
 
@@ -57,7 +59,9 @@ def scenarios(draw):
         else []
     )
     stacks = stack_tables(features, topology, groups)
-    return topology, stacks, dropping, draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
+    unique_rows = draw(st.booleans())
+    chunk_ids = draw(st.sampled_from([1, 7, pipeline.CHUNK_IDS]))
+    return topology, stacks, dropping, unique_rows, chunk_ids, draw(st.integers(0, 2**32 - 1))
 
 
 def make_inputs(stacks, topology, seed):
@@ -164,16 +168,17 @@ def assert_unique_rows_consistent(batch, n) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_buffers_match_model_and_decode_to_the_input(scenario):
-    topology, stacks, dropping, unique_rows, seed = scenario
+    topology, stacks, dropping, unique_rows, chunk_ids, seed = scenario
     inputs, model_inputs = make_inputs(stacks, topology, seed)
-    batches = preprocess(
-        stacks,
-        inputs,
-        topology,
-        allow_id_dropping=dropping,
-        with_unique_rows=unique_rows,
-        num_threads=2,
-    )
+    with mock.patch.object(pipeline, "CHUNK_IDS", chunk_ids):  # 1: a chunk per device or SC
+        batches = preprocess(
+            stacks,
+            inputs,
+            topology,
+            allow_id_dropping=dropping,
+            with_unique_rows=unique_rows,
+            num_threads=2,
+        )
     for stack in stacks:
         batch = batches[stack.name]
         model = preprocess_model(
@@ -205,15 +210,16 @@ def test_buffers_match_model_and_decode_to_the_input(scenario):
 @settings(max_examples=15, deadline=None)
 @given(scenarios())
 def test_limits_without_dropping_raise_exactly_when_the_model_overflows(scenario):
-    topology, stacks, _, _, seed = scenario
+    topology, stacks, _, _, chunk_ids, seed = scenario
     stacks = tuple(s.with_limits(3, 2, None) for s in stacks)
     inputs, model_inputs = make_inputs(stacks, topology, seed)
     over = False
     for stack in stacks:
         model = preprocess_model(stack, model_inputs, topology, False, 10**6)
         over |= bool(model.max_ids.max(initial=0) > 3 or model.max_unique.max(initial=0) > 2)
-    if over:
-        with pytest.raises(PartitionLimitError):
+    with mock.patch.object(pipeline, "CHUNK_IDS", chunk_ids):
+        if over:
+            with pytest.raises(PartitionLimitError):
+                preprocess(stacks, inputs, topology)
+        else:
             preprocess(stacks, inputs, topology)
-    else:
-        preprocess(stacks, inputs, topology)

@@ -159,14 +159,15 @@ def _digits(dtype) -> int:
     return jnp.finfo(dtype).nmant + 1
 
 
-def _full_range(dtype) -> tuple[int, int]:
-    """The inclusive [low, high] of `random_()` without bounds: [0, 2**digits] for floats (every
-    integer there is exact), [0, max] for integers, [0, 1] for bool."""
+def _bounds(dtype) -> tuple[int, int]:
+    """The integers `random_` may produce in `dtype`: its range for integers, [0, 1] for bool,
+    and [-2**digits, 2**digits] for floats (every integer there is exact)."""
     if dtype == np.bool_:
         return 0, 1
     if jnp.issubdtype(dtype, jnp.floating):
-        return 0, 2 ** _digits(dtype)
-    return 0, int(jnp.iinfo(dtype).max)
+        return -(2 ** _digits(dtype)), 2 ** _digits(dtype)
+    info = jnp.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def _random_integers(ctx, low: int, span: int):
@@ -186,18 +187,29 @@ _RANDOM_FROM = getattr(aten.random, "from")  # `from` is a Python keyword
 
 @registry.register(aten.random.default, aten.random.to, _RANDOM_FROM, random=True)
 def random(ctx, x, from_or_to=None, to=None, *, generator=None):
-    """Integers uniform over [from, to) (`random.from`), [0, to) (`random.to`), or the dtype's
-    full range (`random.default`, and `random.from` without `to`: [from, max])."""
+    """Integers uniform over [from, to) (`random.from`; [from, max] without `to`), [0, to)
+    (`random.to`), or [0, max] (`random.default`), max being the largest of `_bounds`."""
     _check_generator(ctx, generator)
     dtype = np.dtype(x.dtype)
-    full_low, full_high = _full_range(dtype)
+    dtype_low, dtype_high = _bounds(dtype)
     if ctx.op is aten.random.to:
         low, high = 0, from_or_to - 1
     elif ctx.op is _RANDOM_FROM:
-        low, high = from_or_to, (full_high if to is None else to - 1)
+        low, high = from_or_to, (dtype_high if to is None else to - 1)
     else:
-        low, high = full_low, full_high
+        low, high = 0, dtype_high
+    _check_range(low, high, dtype_low, dtype_high, ctx.arg("self").dtype)
     return _random_integers(ctx, low, high - low + 1)
+
+
+def _check_range(low: int, high: int, dtype_low: int, dtype_high: int, dtype) -> None:
+    """ATen's checks of `random_(from, to)` (PyTorch's meta kernel does not make them)."""
+    if high < low:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high + 1}")
+    if not dtype_low <= low <= dtype_high:
+        raise RuntimeError(f"from is out of bounds for {dtype}: {low} not in [{dtype_low}, {dtype_high}]")
+    if not dtype_low <= high <= dtype_high:
+        raise RuntimeError(f"to - 1 is out of bounds for {dtype}: {high} not in [{dtype_low}, {dtype_high}]")
 
 
 @registry.register(aten.randperm.default, aten.randperm.generator, random=True)

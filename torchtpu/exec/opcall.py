@@ -179,7 +179,8 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
         elif kind is ArgKind.TENSOR_LIST:
             encoded.append(None if v is None else tuple(tensor(t) for t in v))
         elif kind is ArgKind.SCALAR:
-            encoded.append(scalar(v))
+            # A Scalar left at its default (`alpha=1`) stays static: the lowering can then skip it.
+            encoded.append(_freeze(v) if arg.has_default and v == arg.default and type(v) is type(arg.default) else scalar(v))
         elif kind is ArgKind.SCALAR_LIST:
             encoded.append(None if v is None else tuple(scalar(s) for s in v))
         else:

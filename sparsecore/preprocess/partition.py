@@ -1,25 +1,22 @@
 """Group one stack's ids by (SparseCore, partition), merge duplicates, count, and apply limits.
 
-Every id of a stack arrives in input order with a `KeyLayout` key (bit fields, most significant
-first: local device, partition, embedding id, SparseCore), its SparseCore-local sample id and its
-gain. Two stable sorts give the buffer order:
+Every id arrives in input order with its sort key (`KeyLayout`), its SparseCore-local sample id
+and its gain. A stable sort by key leaves ids of one SparseCore and column in input order, which
+is ascending sample order, so duplicate (sample, column) pairs are adjacent runs; their gains are
+summed in input order in float32, as the reference does. With device-major keys the pairs of one
+(device, partition, row) are adjacent too -- the unique-row side-car's groups -- and a second
+16-bit pass by bucket (local SparseCore * N + partition) gives each pair's rank in the buffer
+order (SparseCore, partition, embedding id, sample); SparseCore-major keys are in that order
+already. Pairs stay in key order and carry their rank, which with the bucket fixes their slot.
 
-1. by key: ids of one (device, partition, row) become adjacent -- one group per row a device
-   looks up in a partition (the unique-row side-car reads these groups) -- and, inside, ids of one
-   SparseCore stay in input order, which is ascending sample order. Duplicate (sample, column)
-   pairs are therefore adjacent runs; their gains are summed in input order in float32, as the
-   reference does;
-2. of the merged pairs by bucket (local SparseCore * N + partition), which yields each pair's
-   rank in the buffer order (SparseCore, partition, embedding id, sample) and so its slot; the
-   pairs themselves stay in key order, saving a gather per array.
-
-Stats and per-pair ranks follow; the stack's limits then raise `PartitionLimitError` or, with
-dropping allowed, drop the pairs past them, counting every raw id dropped.
+Stats follow; the stack's limits then raise `PartitionLimitError` or, with dropping allowed,
+drop the pairs past them, counting every raw id dropped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -138,11 +135,23 @@ def _raise_limit_error(
     )
 
 
+class _Runs(NamedTuple):
+    """Ids sorted by key, and the runs of equal (key, sample) in that order: one per pair."""
+
+    order: np.ndarray
+    keys: np.ndarray
+    samples: np.ndarray
+    starts: np.ndarray
+    count: np.ndarray
+    gain: np.ndarray
+    new_column: np.ndarray
+
+
 def _merge_runs(
     keys: np.ndarray, samples: np.ndarray, gains: np.ndarray | None, bound: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Sort by key; return the first id of each (key, sample) run in sorted order, the run
-    lengths, merged gains, the new-column flag of each run, and the sorted keys and samples."""
+) -> _Runs:
+    """Sort by key; find each (key, sample) run's first id, its length, its float32 gain sum in
+    input order, and whether it starts a new column (key)."""
     order = stable_argsort(keys, bound)
     sorted_keys = keys[order]
     sorted_samples = samples[order]
@@ -159,7 +168,7 @@ def _merge_runs(
     else:
         gain = np.zeros(len(starts), dtype=np.float32)
         np.add.at(gain, np.cumsum(new_pair) - 1, gains[order])
-    return order, starts, count, gain, new_column[starts], sorted_keys, sorted_samples
+    return _Runs(order, sorted_keys, sorted_samples, starts, count, gain, new_column[starts])
 
 
 def merge_pairs(
@@ -180,10 +189,9 @@ def merge_pairs(
     `with_row_groups` computes the (device, partition, row) groups the unique-row side-car
     needs (device-major keys only); otherwise `row_group` is empty.
     """
-    order, starts, count, gain, new_column, sorted_keys, sorted_samples = _merge_runs(
-        keys, samples, gains, layout.bound
-    )
-    pair_keys = sorted_keys[starts]
+    runs = _merge_runs(keys, samples, gains, layout.bound)
+    new_column = runs.new_column
+    pair_keys = runs.keys[runs.starts]
     bucket = layout.bucket(pair_keys)
     embedding_id = layout.row(pair_keys)
     buckets = layout.buckets
@@ -214,7 +222,8 @@ def merge_pairs(
             ("max_unique_ids_per_partition", unique_per_bucket, stack.max_unique_ids_per_partition),
         ):
             if counts.max(initial=0) > configured:
-                pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
+                first_ids = runs.order[runs.starts]
+                pair_feature = np.searchsorted(feature_starts, first_ids, side="right") - 1
                 _raise_limit_error(
                     stack, limit, counts, configured, layout, first_sparsecore, bucket, pair_feature
                 )
@@ -230,9 +239,9 @@ def merge_pairs(
         bucket=bucket,
         rank=rank,
         embedding_id=embedding_id,
-        sample=sorted_samples[starts],
-        gain=gain,
-        count=count,
+        sample=runs.samples[runs.starts],
+        gain=runs.gain,
+        count=runs.count,
         row_group=row_group,
         row_group_key=row_group_key,
         ids_per_bucket=ids_per_bucket,

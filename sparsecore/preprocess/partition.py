@@ -66,16 +66,16 @@ class PartitionLimitError(ValueError):
 
 @dataclass(frozen=True)
 class MergedPairs:
-    """Distinct (sample, column) pairs of one stack after the limits, in key order (device,
-    partition, embedding id, SparseCore, sample).
+    """Distinct (sample, column) pairs of a chunk of one stack after the limits, in key order
+    (then sample), with buckets relative to the chunk's first SparseCore.
 
-    `bucket` = local SparseCore * N + partition; `rank` is the pair's position among its
-    bucket's pairs in buffer order (embedding id, sample), so its slot is the bucket's start plus
-    `rank`. Dropping only ever removes a tail of a bucket, so ranks stay valid. `row_group`
-    numbers the distinct (device, partition, embedding id) of each pair in ascending order;
+    `bucket` = SparseCore * N + partition; `rank` is the pair's position among its bucket's
+    pairs in buffer order (embedding id, sample), so its slot is the bucket's start plus `rank`.
+    Dropping only ever removes a tail of a bucket, so ranks stay valid. `row_group` numbers the
+    distinct (device, partition, embedding id) of each pair in ascending order;
     `row_group_key[g]` is group g's `KeyLayout.row_key`. `ids_per_bucket` / `unique_per_bucket`
-    count pairs / distinct columns per bucket BEFORE dropping ([L*S, N]); `kept_per_bucket`
-    counts the pairs that remain; `dropped_ids` counts raw ids dropped.
+    count pairs / distinct columns per bucket BEFORE dropping ([SparseCores, N]);
+    `kept_per_bucket` counts the pairs that remain; `dropped_ids` counts raw ids dropped.
     """
 
     bucket: np.ndarray

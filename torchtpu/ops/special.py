@@ -7,7 +7,8 @@ their textbook definitions, in the input's own precision (there is no float64 on
 - the Hurwitz zeta function (and so polygamma) by Euler-Maclaurin summation, which, unlike jax's,
   covers negative non-integer `q` for integer `s`, as PyTorch (Cephes) does;
 - Bessel functions J and Y of orders 0 and 1, K of orders 0 and 1, and Airy's Ai, in
-  `torchtpu.ops.bessel` (registered by importing it here).
+  `torchtpu.ops.bessel`; the orthogonal polynomials in `torchtpu.ops.polynomials` (both
+  registered by importing them here).
 
 Edge cases (poles, zeros, infinities) follow PyTorch's CPU kernels.
 """
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torchtpu.ops import bessel  # noqa: F401  (registers the Bessel and Airy functions)
+from torchtpu.ops import bessel, polynomials  # noqa: F401  (register their functions)
 from torchtpu.ops.pointwise import elementwise, unary
 from torchtpu.ops.promotion import INT_TO_FLOAT, pointwise
 

@@ -109,3 +109,45 @@ def test_bfloat16_computes_in_float32():
     x = torch.linspace(0.1, 8, 50).to(torch.bfloat16)
     for fn in (torch.lgamma, torch.digamma, torch.erfinv, torch.special.i0e):
         same_as_cpu(fn, x / 8 if fn is torch.erfinv else x, rtol=1.6e-2, atol=1e-2)
+
+
+BESSEL = {
+    "bessel_j0": torch.special.bessel_j0, "bessel_j1": torch.special.bessel_j1,
+    "bessel_y0": torch.special.bessel_y0, "bessel_y1": torch.special.bessel_y1,
+    "modified_bessel_k0": torch.special.modified_bessel_k0,
+    "modified_bessel_k1": torch.special.modified_bessel_k1,
+    "scaled_modified_bessel_k0": torch.special.scaled_modified_bessel_k0,
+    "scaled_modified_bessel_k1": torch.special.scaled_modified_bessel_k1,
+    "airy_ai": torch.special.airy_ai,
+}  # fmt: skip
+# Every regime: the series and quadrature ranges, the asymptotic ones, and the switch points.
+BESSEL_POINTS = torch.cat([
+    torch.linspace(-40, 40, 801), torch.tensor([0.0, -0.0, 1e-6, 1e-30, 2.0, 2.0001, 19.999, 20.0, 20.001,
+                                                 -2.0, -2.0001, -7.999, -8.0, -8.001, 150.0, 1e3, NAN, INF, -INF]),
+])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BESSEL)
+def test_bessel_and_airy(name):
+    same_as_cpu(BESSEL[name], BESSEL_POINTS)
+
+
+POLYNOMIALS = (
+    "chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+    "shifted_chebyshev_polynomial_w", "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomials(name):
+    fn = getattr(torch.special, name)
+    # End points (of the shifted ones too), both sides of the closed-form degree thresholds,
+    # negative and fractional degrees (truncated), NaN.
+    x = torch.cat([torch.linspace(-1.5, 1.5, 61), torch.tensor([-1.0, 0.0, 1.0, 0.5, NAN])])[:, None]
+    n = torch.tensor([[-2.0, 0.0, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0, 9.0, 12.0, 2.7, -0.5]])
+    same_as_cpu(fn, x, n)
+    same_as_cpu(lambda degrees: fn(0.3, degrees), n)
+    # (NaN left out: PyTorch's CPU kernel for a Scalar degree returns a neighbour's value there.)
+    same_as_cpu(lambda points: fn(points, 3), x[:-1])

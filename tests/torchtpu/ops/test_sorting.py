@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from test_reduction import same_as_cpu, strict_ops  # noqa: F401  (the autouse fixture)
+from test_reduction import input_gradient, same_as_cpu, strict_ops  # noqa: F401  (the autouse fixture)
 
 NAN, INF = math.nan, math.inf
 
@@ -181,10 +181,4 @@ GRADIENTS = [
 
 @pytest.mark.parametrize("fn", GRADIENTS)
 def test_gradient(fn):
-    def grad(x):
-        x = x.detach().requires_grad_()
-        out = fn(x)
-        cotangent = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(x.device)
-        return torch.autograd.grad(out, x, cotangent)[0]
-
-    same_as_cpu(grad, FLOAT)
+    same_as_cpu(input_gradient(fn), FLOAT)

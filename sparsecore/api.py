@@ -95,31 +95,32 @@ class SparseCoreEmbedding:
         # where the program accumulates; without it jit would prune the argument.
         self._update = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
         self._workspaces: dict[str, Array] | None = None
+        self._stack_initializers: dict[str, Callable[[list[Array], list[Array]], Array]] = {}
 
     # ----------------------------------------------------------------------------- state
 
     def init(self, key: Array) -> tuple[Tables, Slots]:
         """Tables from each `TableSpec.initializer` (padding rows zero) and fresh optimizer
-        state, created directly sharded on the mesh."""
-        return self._init_tables(key), self.init_slots()
+        state, created directly sharded on the mesh, one stacked table at a time."""
+        tables = {}
+        index = 0
+        for name, stack in self.stacks.items():
+            keys = [jax.random.fold_in(key, index + i) for i in range(len(stack.tables))]
+            rows = [jnp.asarray(physical_row_ids(stack, p.table.name), jnp.int32) for p in stack.tables]
+            if name not in self._stack_initializers:
+                self._stack_initializers[name] = self._stack_initializer(stack)
+            tables[name] = self._stack_initializers[name](keys, rows)
+            index += len(stack.tables)
+        return tables, self.init_slots()
 
-    @functools.cached_property
-    def _init_tables(self) -> Callable[[Array], Tables]:
-        def build(key: Array) -> Tables:
-            tables = {}
-            index = 0
-            for name, stack in self.stacks.items():
-                table = jnp.zeros((stack.num_sparsecores * stack.rows_per_shard, stack.embedding_dim), jnp.float32)
-                for placement in stack.tables:
-                    spec = placement.table
-                    values = spec.initializer(
-                        jax.random.fold_in(key, index), (spec.vocabulary_size, spec.embedding_dim), jnp.float32
-                    )
-                    rows = physical_row_ids(stack, spec.name)
-                    table = table.at[rows, : spec.embedding_dim].set(values)
-                    index += 1
-                tables[name] = table
-            return tables
+    def _stack_initializer(self, stack: StackedTable) -> Callable[[list[Array], list[Array]], Array]:
+        def build(keys: list[Array], rows: list[Array]) -> Array:
+            table = jnp.zeros((stack.num_sparsecores * stack.rows_per_shard, stack.embedding_dim), jnp.float32)
+            for placement, key, physical in zip(stack.tables, keys, rows):
+                spec = placement.table
+                values = spec.initializer(key, (spec.vocabulary_size, spec.embedding_dim), jnp.float32)
+                table = table.at[physical, : spec.embedding_dim].set(values, unique_indices=True)
+            return table
 
         return jax.jit(build, out_shardings=self._sharded)
 

@@ -59,7 +59,8 @@ def accumulate_rows(
 
     Window w holds `used[w]` slots that may be real; `read_chunk(w, offset)` gives the `(read,
     write, weights)` of the `chunk` slots at `offset`. The loop visits only chunks that cover
-    used slots. Slots with a negative `read` add nothing (not even a NaN times zero).
+    used slots. Slots with a negative `read` add nothing: their `write` is pointed past the end
+    of `target`, and the scatter drops it (so not even a NaN times zero arrives).
     """
     per_window = (used + chunk - 1) // chunk
     ends = jnp.cumsum(per_window)
@@ -68,8 +69,7 @@ def accumulate_rows(
     def step(index: Array, total: Array) -> Array:
         window = jnp.sum(index >= ends, dtype=jnp.int32)
         read, write, weights = read_chunk(window, (index - starts[window]) * chunk)
-        rows = gather_rows(source, read)
-        contribution = jnp.where((read >= 0)[:, None], weights[:, None] * rows, 0.0)
-        return scatter_rows(total, write, contribution, add=True)
+        write = jnp.where(read >= 0, write, total.shape[0])
+        return scatter_rows(total, write, weights[:, None] * gather_rows(source, read), add=True)
 
     return lax.fori_loop(0, ends[-1], step, target)

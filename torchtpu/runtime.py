@@ -33,18 +33,50 @@ class RuntimeConfigError(RuntimeError):
 
 @dataclass(frozen=True)
 class Runtime:
-    """The started runtime: the platform and the JAX devices that back `tpu:i`."""
+    """The started runtime: the platform and the JAX devices that back `tpu:i` (this process's
+    devices), and, in a multi-process job, the process's place in the global JAX runtime."""
 
     platform: str
     devices: tuple["jax.Device", ...]
+    process_index: int = 0
+    process_count: int = 1
 
     @property
     def on_tpu(self) -> bool:
         return self.platform == "tpu"
 
 
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process JAX runtime (multi-controller): the coordinator's
+    address, the number of processes and this process's id. Programs over devices of several
+    processes (the SparseCore kernels of a sharded embedding) then run with XLA collectives
+    between processes -- over gloo on the CPU stand-in, over ICI/DCN on TPU."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
 _runtime: Runtime | None = None
+_distributed: DistributedConfig | None = None
 _lock = threading.Lock()
+
+
+def configure_distributed(config: DistributedConfig) -> None:
+    """Join a multi-process JAX runtime when the runtime starts (call before first device use;
+    the `tpu_dist` process group does it when it is created)."""
+    global _distributed
+    with _lock:
+        if _runtime is not None:
+            if _distributed == config or config.num_processes == 1:
+                return
+            raise RuntimeConfigError(
+                "the tpu runtime already started in single-process mode, so this process cannot join "
+                f"the {config.num_processes}-process job: call torch.distributed.init_process_group("
+                "'tpu_dist' ...) before creating tpu tensors"
+            )
+        _distributed = config
 
 
 def _requested_device_count() -> int | None:
@@ -82,20 +114,37 @@ def _configure_host_platform(requested: int | None) -> None:
         )
 
 
+def _join_distributed() -> tuple[int, int]:
+    import jax
+
+    config = _distributed
+    if config is None or config.num_processes == 1:
+        return 0, 1
+    # The CPU stand-in runs cross-process collectives over gloo (XLA's CPU default has none).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+    return config.process_id, config.num_processes
+
+
 def _start() -> Runtime:
     requested = _requested_device_count()
     _configure_host_platform(requested)
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    process_index, process_count = _join_distributed()
     try:
-        tpus = jax.devices("tpu")
+        tpus = jax.local_devices(backend="tpu")
     except RuntimeError:
         tpus = []
     if tpus:
         devices = tuple(tpus[:requested] if requested else tpus)
-        return Runtime("tpu", devices)
-    cpus = jax.devices("cpu")
+        return Runtime("tpu", devices, process_index, process_count)
+    cpus = jax.local_devices(backend="cpu")
     want = requested or 1
     if len(cpus) < want:
         raise RuntimeConfigError(
@@ -103,7 +152,7 @@ def _start() -> Runtime:
             f"already started with {len(cpus)}. Set {_NUM_DEVICES_ENV} (or XLA_FLAGS="
             f"{_FORCE_COUNT_FLAG}={want}) before anything uses jax or the tpu device."
         )
-    return Runtime("cpu", tuple(cpus[:want]))
+    return Runtime("cpu", tuple(cpus[:want]), process_index, process_count)
 
 
 def runtime() -> Runtime:

@@ -101,6 +101,9 @@ def _bag_sums(weight, indices, bags, num_bags: int, coefficient):
 def _bag_max(rows, indices, bags, num_bags: int, counted):
     """Per-bag, per-column maximum and the row index holding it (the first in bag order; 0 for
     an empty bag, as PyTorch's CPU kernel)."""
+    if rows.shape[0] == 0:
+        shape = (num_bags, rows.shape[1])
+        return jnp.zeros(shape, rows.dtype), jnp.zeros(shape, jnp.int64)
     masked = jnp.where(counted[:, None], rows, -jnp.inf)
     best = jax.ops.segment_max(masked, bags, num_segments=num_bags, indices_are_sorted=True)
     position = jnp.arange(rows.shape[0])[:, None]
@@ -109,7 +112,7 @@ def _bag_max(rows, indices, bags, num_bags: int, counted):
         jnp.where(holds, position, rows.shape[0]), bags, num_segments=num_bags, indices_are_sorted=True
     )
     present = first < rows.shape[0]
-    argmax = jnp.where(present, indices.at[jnp.minimum(first, rows.shape[0] - 1)].get(), 0)
+    argmax = jnp.where(present, indices[jnp.minimum(first, rows.shape[0] - 1)], 0)
     return jnp.where(present, best, 0), argmax
 
 

@@ -45,6 +45,8 @@ def _leading_block(x, shape):
 
 @registry.register(aten.gather.default)
 def gather(ctx, x, dim, index, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(ctx.out_shape(), x.dtype)
     x, index = _at_least_1d(x), _at_least_1d(index)
     dim = canonical_dim(dim, x.ndim)
     block = [n if d != dim else x.shape[d] for d, n in enumerate(index.shape)]
@@ -259,8 +261,20 @@ def masked_fill(ctx, x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x).reshape(shape)
 
 
+def fill_value(dtype):
+    """What a read out of range yields (see the module docstring)."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(jnp.nan, dtype)
+    if dtype == np.bool_:
+        return jnp.asarray(True)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if info.min < 0 else info.max, dtype)
+
+
 def _masked_take(mask, source, mode: str):
     """For each True of `mask`, in order, the next element of `source` (flattened)."""
+    if source.size == 0:
+        return jnp.full(mask.shape, fill_value(source.dtype))
     return source.reshape(-1).at[_mask_rank(mask)].get(mode=mode)
 
 

@@ -54,12 +54,24 @@ def constant_pad_nd(ctx, x, pad, value=0):
     return lax.pad(x, fill, [(lo, hi, 0) for lo, hi in _pairs(x.ndim, pad)])
 
 
+def _source_positions(size: int, before: int, after: int, mode: str) -> np.ndarray:
+    """For each output position along a padded dim, the input position it copies: output o
+    reads input o - before, reflected about the ends ("reflect") or clamped to them ("edge").
+    Negative amounts crop, as PyTorch's kernels index."""
+    position = np.arange(-before, size + after)
+    if mode == "edge":
+        return np.clip(position, 0, size - 1)
+    position = np.abs(position)
+    return np.where(position >= size, 2 * (size - 1) - position, position)
+
+
 def _mode_pad(x, padding, mode: str):
-    """Reflection ("reflect") or replication ("edge") padding of the trailing dims; negative
-    amounts crop first, as PyTorch's kernels index."""
-    pairs = _pairs(x.ndim, padding)
-    cropped = lax.pad(x, jnp.zeros((), x.dtype), [(min(lo, 0), min(hi, 0), 0) for lo, hi in pairs])
-    return jnp.pad(cropped, [(max(lo, 0), max(hi, 0)) for lo, hi in pairs], mode=mode)
+    """Reflection or replication padding of the trailing dims, as a gather along each padded dim
+    with positions known at trace time."""
+    for dim, (before, after) in enumerate(_pairs(x.ndim, padding)):
+        if before or after:
+            x = jnp.take(x, _source_positions(x.shape[dim], before, after, mode), axis=dim)
+    return x
 
 
 _PAD_MODES = {

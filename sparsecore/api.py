@@ -90,10 +90,12 @@ class SparseCoreEmbedding:
         self._kernels = kernels or local_kernels(devices[0].platform)
         self._sharded = NamedSharding(self.mesh, P(AXIS))
         self._replicated = NamedSharding(self.mesh, P())
-        self._lookup = jax.jit(self.lookup_fn)
+        self.lookup_program = jax.jit(self.lookup_fn)
+        """`lookup_fn` jitted: what `lookup` runs (`.lower(...)` shows its HLO)."""
         # keep_unused: the update never reads the workspace's values, but its donated buffer is
         # where the program accumulates; without it jit would prune the argument.
-        self._update = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
+        self.update_program = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
+        """`update_fn` jitted with tables, slots and workspaces donated: what `update` runs."""
         self._workspaces: dict[str, Array] | None = None
         self._stack_initializers: dict[str, Callable[[list[Array], list[Array]], Array]] = {}
 
@@ -218,7 +220,7 @@ class SparseCoreEmbedding:
 
     def lookup(self, tables: Tables, batch: Mapping[str, Any]) -> dict[str, Array]:
         """Activations of every feature of every stack (jitted; nothing donated)."""
-        return self._lookup(tables, self._device_batch(batch))
+        return self.lookup_program(tables, self._device_batch(batch))
 
     def update(
         self,
@@ -234,28 +236,10 @@ class SparseCoreEmbedding:
         batch = self._device_batch(batch)
         workspaces = self._workspaces if self._workspaces is not None else self._new_workspaces()
         self._workspaces = None
-        tables, slots, self._workspaces = self._update(
+        tables, slots, self._workspaces = self.update_program(
             tables, slots, workspaces, batch, dict(activation_grads), self.hyperparameters(hyperparameters)
         )
         return tables, slots
-
-    def lower_lookup(self, tables: Tables, batch: Mapping[str, Any]) -> jax.stages.Lowered:
-        """The lookup program `lookup` runs, lowered for these arguments (to inspect its HLO)."""
-        return self._lookup.lower(tables, self._device_batch(batch))
-
-    def lower_update(
-        self,
-        tables: Tables,
-        slots: Slots,
-        batch: Mapping[str, Any],
-        activation_grads: Mapping[str, Array],
-        hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> jax.stages.Lowered:
-        """The update program `update` runs (donations included), lowered for these arguments."""
-        return self._update.lower(
-            tables, slots, self._new_workspaces(), self._device_batch(batch), dict(activation_grads),
-            self.hyperparameters(hyperparameters),
-        )
 
     def hyperparameters(self, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Per stack, its optimizer's hyper-parameters as float32 scalars, with `overrides`."""

@@ -149,6 +149,7 @@ class Adagrad(OptimizerSpec):
 
     NAME: ClassVar[str] = "adagrad"
     HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("epsilon",)
+    PER_ROW: ClassVar[bool] = False
 
     epsilon: float = 1e-8
     initial_accumulator_value: float = 0.0
@@ -157,35 +158,22 @@ class Adagrad(OptimizerSpec):
         _require_non_negative(self, "epsilon", "initial_accumulator_value")
 
     def slots(self) -> tuple[SlotSpec, ...]:
-        return (SlotSpec("accumulator", per_row=False, initial_value=self.initial_accumulator_value),)
+        return (SlotSpec("accumulator", per_row=self.PER_ROW, initial_value=self.initial_accumulator_value),)
 
     def _update(self, grad, rows, slots, hp):
-        accumulator = slots["accumulator"] + grad * grad
+        squared = jnp.mean(grad * grad, axis=-1, keepdims=True) if self.PER_ROW else grad * grad
+        accumulator = slots["accumulator"] + squared
         rows = rows - hp["learning_rate"] * grad / (jnp.sqrt(accumulator) + hp["epsilon"])
         return rows, {"accumulator": accumulator}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RowWiseAdagrad(OptimizerSpec):
+class RowWiseAdagrad(Adagrad):
     """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): one accumulator per row,
     ``acc += mean(grad², over the row); row -= lr * grad / (sqrt(acc) + eps)``."""
 
     NAME: ClassVar[str] = "rowwise_adagrad"
-    HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("epsilon",)
-
-    epsilon: float = 1e-8
-    initial_accumulator_value: float = 0.0
-
-    def _validate(self) -> None:
-        _require_non_negative(self, "epsilon", "initial_accumulator_value")
-
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return (SlotSpec("accumulator", per_row=True, initial_value=self.initial_accumulator_value),)
-
-    def _update(self, grad, rows, slots, hp):
-        accumulator = slots["accumulator"] + jnp.mean(grad * grad, axis=-1, keepdims=True)
-        rows = rows - hp["learning_rate"] * grad / (jnp.sqrt(accumulator) + hp["epsilon"])
-        return rows, {"accumulator": accumulator}
+    PER_ROW: ClassVar[bool] = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -218,8 +218,12 @@ def compiled(request):
         preprocess(stacks, {f.name: random_ids(rng, f, False, 4) for f in features}, topology)
     )
     grads = {f.name: jnp.zeros(f.output_shape) for f in features}
-    lookup = engine.lower_lookup(state, batch).compile().as_text()
-    update = engine.lower_update(state, slots, batch, grads).compile().as_text()
+    lookup = engine.lookup_program.lower(state, batch).compile().as_text()
+    update = (
+        engine.update_program.lower(state, slots, engine.new_workspaces(), batch, grads, engine.hyperparameters())
+        .compile()
+        .as_text()
+    )
     rows = state[stacks[0].name].shape[0] // devices
     return lookup, update, rows
 
@@ -239,30 +243,29 @@ def test_compiled_update_aliases_the_donated_table_slots_and_workspace(compiled)
 # ----------------------------------------------------------------------------- TPU lowering
 
 
-def test_tpu_custom_calls_lower_with_the_contract():
+def tpu_engine(optimizer: opt.OptimizerSpec):
+    """An engine with the TPU kernels on the CPU mesh (lowered for "tpu", never run), its state
+    and a batch."""
     topology = Topology.cpu(1, 2)
-    spec = opt.Adagrad(learning_rate=0.1)
-    table = TableSpec(
-        "t", 64, 8, optimizer=spec, max_ids_per_partition=32, max_unique_ids_per_partition=16
-    )
-    (stack,) = stacks = stack_tables([FeatureSpec("f", table, 8)], topology)
+    table = TableSpec("t", 64, 8, optimizer=optimizer, max_ids_per_partition=32, max_unique_ids_per_partition=16)
+    stacks = stack_tables([FeatureSpec("f", table, 8)], topology)
     engine = SparseCoreEmbedding(stacks, topology, kernels=local_kernels("tpu"))
     state, slots = engine.init(jax.random.key(0))
-    batch = engine.put_batch(
-        preprocess(
-            stacks,
-            {"f": RaggedIds(np.arange(8, dtype=np.int32), lengths=np.ones(8, int))},
-            topology,
-        )
-    )
+    ids = RaggedIds(np.arange(8, dtype=np.int32), lengths=np.ones(8, int))
+    return engine, state, slots, engine.put_batch(preprocess(stacks, {"f": ids}, topology))
 
-    lookup = (
-        jax.jit(engine.lookup_fn).trace(state, batch).lower(lowering_platforms=("tpu",)).as_text()
-    )
+
+def lower_update_for_tpu(engine, state, slots, batch) -> str:
+    grads = {"f": jnp.zeros((8, 8))}
+    args = (state, slots, engine.new_workspaces(), batch, grads, engine.hyperparameters())
+    return jax.jit(engine.update_fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_tpu_custom_calls_lower_with_the_contract():
+    engine, state, slots, batch = tpu_engine(opt.Adagrad(learning_rate=0.1))
+    lookup = jax.jit(engine.lookup_fn).trace(state, batch).lower(lowering_platforms=("tpu",)).as_text()
     (call,) = [line for line in lookup.splitlines() if "custom_call @SparseDenseMatmulOp(" in line]
-    config = json.loads(
-        re.search(r'backend_config = "(.*?)"\}', call).group(1).replace("\\22", '"')
-    )
+    config = json.loads(re.search(r'backend_config = "(.*?)"\}', call).group(1).replace("\\22", '"'))
     assert config == {
         "sparse_dense_matmul_config": {
             "max_ids_per_partition": 32,
@@ -274,51 +277,21 @@ def test_tpu_custom_calls_lower_with_the_contract():
     }
     assert call.count("%") == 7  # the result and six operands: 4 buffers, table, zeros
 
-    grads = {"f": jnp.zeros((8, 8))}
-    update = (
-        jax.jit(engine.update_fn)
-        .trace(state, slots, engine.new_workspaces(), batch, grads, engine.hyperparameters())
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
-    (call,) = [
-        line
-        for line in update.splitlines()
-        if "custom_call @SparseDenseMatmulGradOpWithOptimizerUpdate(" in line
-    ]
+    update = lower_update_for_tpu(engine, state, slots, batch)
+    (call,) = [line for line in update.splitlines() if "custom_call @SparseDenseMatmulGradOpWithOptimizerUpdate(" in line]
     config = json.loads(re.search(r'backend_config = "(.*?)"', call).group(1).replace("\\22", '"'))
     assert config["sparse_dense_matmul_config"]["num_slot_variables"] == 1
     assert config["sparse_dense_matmul_config"]["num_hyperparameters"] == 3  # lr, epsilon, step
     (computation,) = re.findall(r"called_computations = \[@([\w.]+)\]", call)
     signature = re.search(rf"func.func private @{computation}\((.*?)\) -> (.*?) \{{", update)
-    assert (
-        signature.group(1).count("tensor<1x8xf32>") == 6
-    )  # grad, row, accumulator, 3 hyper-parameters
+    assert signature.group(1).count("tensor<1x8xf32>") == 6  # grad, row, accumulator, 3 hyper-parameters
     assert signature.group(2) == "tuple<tensor<1x8xf32>, tensor<1x8xf32>>"
 
 
 def test_tpu_update_rejects_per_row_slots():
-    topology = Topology.cpu(1, 2)
-    table = TableSpec("t", 64, 8, optimizer=opt.RowWiseAdagrad())
-    stacks = stack_tables([FeatureSpec("f", table, 8)], topology)
-    engine = SparseCoreEmbedding(stacks, topology, kernels=local_kernels("tpu"))
-    state, slots = engine.init(jax.random.key(0))
-    batch = engine.put_batch(
-        preprocess(
-            stacks,
-            {"f": RaggedIds(np.arange(8, dtype=np.int32), lengths=np.ones(8, int))},
-            topology,
-        )
-    )
+    engine, state, slots, batch = tpu_engine(opt.RowWiseAdagrad())
     with pytest.raises(ValueError, match=r"per-row slot\(s\) \['accumulator'\]"):
-        jax.jit(engine.update_fn).trace(
-            state,
-            slots,
-            engine.new_workspaces(),
-            batch,
-            {"f": jnp.zeros((8, 8))},
-            engine.hyperparameters(),
-        )
+        lower_update_for_tpu(engine, state, slots, batch)
 
 
 # ----------------------------------------------------------------------------- buffer checks

@@ -24,6 +24,8 @@ from torchtpu import kernels  # noqa: E402,F401  (torchtpu.kernels.jax_kernel)
 
 _serialization.register()
 
+from torchtpu import distributed as _distributed  # noqa: E402,F401  (registers tpu_dist)
+
 set_eager_mode = _modes.set_mode
 eager_mode = _modes.eager_mode
 get_eager_mode = _modes.current

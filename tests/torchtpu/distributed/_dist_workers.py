@@ -1,0 +1,441 @@
+"""What each rank runs in the tpu_dist multi-process tests (see `_dist_harness.run_ranks`).
+
+References are things this project did not write: PyTorch's own gloo process group on CPU
+tensors (a `dist.new_group(backend="gloo")` next to the tpu_dist group), NumPy models of what an
+all-to-all must deliver, and single-process PyTorch CPU training.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torchtpu
+from torchtpu.distributed import CollectiveError
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def _init(backend: str = "cpu:gloo,tpu:tpu_dist") -> None:
+    dist.init_process_group(backend)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit pattern, so NaNs and signed zeros compare exactly."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    return t
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{what}: {actual.shape}/{actual.dtype} vs {expected.shape}/{expected.dtype}"
+    )
+    if not torch.equal(_bits(actual), _bits(expected)):
+        raise AssertionError(f"{what}: tpu_dist result differs from gloo\n{actual.cpu()}\n{expected.cpu()}")
+
+
+# --- collectives, compared with gloo on CPU tensors --------------------------------------------
+
+
+@dataclass
+class Case:
+    """One run of a collective: on tpu tensors through tpu_dist, or on CPU tensors through gloo."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: dist.ProcessGroup
+    dtype: torch.dtype
+    async_op: bool
+    pending_inputs: bool  # inputs are results of not-yet-run ops (DeferAndFuse promises)
+    inputs: list = field(default_factory=list)  # (tensor, value it must keep)
+
+    def data(self, *shape: int, salt: int = 0, rank: int | None = None) -> torch.Tensor:
+        seed = 1000 * (self.rank if rank is None else rank) + 17 * salt + DTYPES.index(self.dtype)
+        g = torch.Generator().manual_seed(seed)
+        if self.dtype == torch.int64:
+            host = torch.randint(-9, 10, shape, generator=g)
+        else:
+            host = torch.randn(shape, generator=g).to(self.dtype)
+        t = host.to(self.device)
+        if self.pending_inputs and self.device.type == "tpu":
+            t = t.clone()
+        self.inputs.append((t, host))
+        return t
+
+    def empty(self, *shape: int) -> torch.Tensor:
+        """An output, filled with a sentinel on the host (no device program to compile)."""
+        return torch.full(shape, -7, dtype=self.dtype).to(self.device)
+
+    def run(self, collective: Callable, *args, **kwargs) -> None:
+        work = collective(*args, group=self.group, async_op=self.async_op, **kwargs)
+        if self.async_op:
+            work.wait()
+
+
+def _splits(world: int, seed: int) -> np.ndarray:
+    """rows[i, j]: rows rank i sends to rank j (zeros included); the same on every rank."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 4, (world, world))
+    rows[rng.random((world, world)) < 0.3] = 0
+    return rows
+
+
+def _all_reduce(op):
+    def case(c: Case):
+        x = c.data(5, 3)
+        c.run(dist.all_reduce, x, op=OPS[op])
+        return [x], True
+
+    return case
+
+
+def _reduce_scatter(op):
+    def case(c: Case):
+        out = c.empty(3, 2)
+        c.run(dist.reduce_scatter, out, [c.data(3, 2, salt=j) for j in range(c.world)], op=OPS[op])
+        return [out], False
+
+    return case
+
+
+def _reduce_scatter_tensor(op):
+    def case(c: Case):
+        out = c.empty(4)
+        c.run(dist.reduce_scatter_tensor, out, c.data(4 * c.world), op=OPS[op])
+        return [out], False
+
+    return case
+
+
+def _broadcast(c: Case):
+    x = c.data(7)
+    c.run(dist.broadcast, x, src=c.world - 1)
+    return [x], True
+
+
+def _all_gather(c: Case):
+    outs = [c.empty(4, 2) for _ in range(c.world)]
+    c.run(dist.all_gather, outs, c.data(4, 2))
+    return outs, False
+
+
+def _all_gather_into_views(c: Case):
+    """Outputs are column views of one tensor; the input is a transposed slice. (gloo on CPU
+    reads strided tensors as if they were contiguous, so the reference runs on contiguous
+    copies and PyTorch writes the results into the views.)"""
+    big = c.empty(3, c.world)
+    source = c.data(5, 3).t()[1]
+    if c.device.type == "tpu":
+        c.run(dist.all_gather, [big[:, j] for j in range(c.world)], source)
+    else:
+        outs = [c.empty(3) for _ in range(c.world)]
+        c.run(dist.all_gather, outs, source.contiguous())
+        for j, out in enumerate(outs):
+            big[:, j] = out
+    return [big], False
+
+
+def _all_reduce_view(c: Case):
+    base = c.data(4, 6)
+    view = base.t()[1:4]
+    if c.device.type == "tpu":
+        c.run(dist.all_reduce, view)
+    else:
+        dense = view.contiguous()
+        c.run(dist.all_reduce, dense)
+        view.copy_(dense)
+    return [base], True
+
+
+def _all_gather_into_tensor(c: Case):
+    out = c.empty(c.world * 3, 2)
+    c.run(dist.all_gather_into_tensor, out, c.data(3, 2))
+    return [out], False
+
+
+def _all_to_all_single_even(c: Case):
+    out = c.empty(2 * c.world, 3)
+    c.run(dist.all_to_all_single, out, c.data(2 * c.world, 3))
+    return [out], False
+
+
+def _all_to_all_single_uneven(c: Case):
+    rows = _splits(c.world, seed=7)
+    out = c.empty(int(rows[:, c.rank].sum()), 2)
+    inp = c.data(int(rows[c.rank].sum()), 2)
+    c.run(dist.all_to_all_single, out, inp, rows[:, c.rank].tolist(), rows[c.rank].tolist())
+    return [out], False
+
+
+def _all_to_all(c: Case):
+    """Equal sizes: gloo's list form hangs on unequal ones (the fuzz test covers those)."""
+    outs = [c.empty(3, 2) for _ in range(c.world)]
+    c.run(dist.all_to_all, outs, [c.data(3, 2, salt=j) for j in range(c.world)])
+    return outs, False
+
+
+def _send_recv(c: Case):
+    """A ring: every rank sends to the next and receives from the previous."""
+    out = c.empty(6)
+    x = c.data(6)
+    nxt, prev = (c.rank + 1) % c.world, (c.rank - 1) % c.world
+    if c.async_op:
+        works = [dist.isend(x, nxt, group=c.group), dist.irecv(out, prev, group=c.group)]
+        for w in works:
+            w.wait()
+    elif c.rank % 2 == 0:
+        dist.send(x, nxt, group=c.group)
+        dist.recv(out, prev, group=c.group)
+    else:
+        dist.recv(out, prev, group=c.group)
+        dist.send(x, nxt, group=c.group)
+    return [out], False
+
+
+CASES: dict[str, Callable] = {
+    **{f"all_reduce_{op}": _all_reduce(op) for op in OPS},
+    **{f"reduce_scatter_{op}": _reduce_scatter(op) for op in OPS},
+    **{f"reduce_scatter_tensor_{op}": _reduce_scatter_tensor(op) for op in ("sum", "max")},
+    "broadcast": _broadcast,
+    "all_gather": _all_gather,
+    "all_gather_into_views": _all_gather_into_views,
+    "all_reduce_view": _all_reduce_view,
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "all_to_all_single_even": _all_to_all_single_even,
+    "all_to_all_single_uneven": _all_to_all_single_uneven,
+    "all_to_all": _all_to_all,
+    "send_recv": _send_recv,
+}
+
+
+def _outcome(case: Callable, c: Case):
+    """The case's outputs on the host, or the exception type it raised; inputs it must not change
+    are checked to be unchanged."""
+    try:
+        outputs, in_place = case(c)
+    except (RuntimeError, ValueError) as error:
+        return type(error).__name__
+    if not in_place:
+        for t, value in c.inputs:
+            assert torch.equal(_bits(t), _bits(value)), f"an input of {case} was modified"
+    return [t.detach().cpu() for t in outputs]
+
+
+def collectives_vs_gloo(rank: int, world: int, modes: tuple[str, ...]) -> None:
+    """Every collective, dtype and sync/async mode on tpu tensors equals gloo on CPU tensors,
+    bit for bit; in the other eager modes, with inputs that are pending results."""
+    _init()
+    torch.tpu.set_device(rank)
+    reference = dist.new_group(backend="gloo")
+    device = torch.device("tpu", rank)
+    for mode in modes:
+        torchtpu.set_eager_mode(mode)
+        for dtype in DTYPES:
+            for async_op in (False, True):
+                for name, case in CASES.items():
+                    pending = mode == "defer"
+                    got = _outcome(case, Case(rank, world, device, dist.group.WORLD, dtype, async_op, pending))
+                    want = _outcome(case, Case(rank, world, torch.device("cpu"), reference, dtype, async_op, False))
+                    what = f"{name} {dtype} async={async_op} mode={mode} rank={rank}"
+                    if isinstance(want, str):
+                        # gloo rejects it (e.g. AVG of integers): tpu_dist must reject it too
+                        assert isinstance(got, str), f"{what}: gloo raised {want}, tpu_dist did not"
+                        continue
+                    assert not isinstance(got, str), f"{what}: tpu_dist raised {got}, gloo did not"
+                    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                        assert_same_bits(a, b, f"{what} output {i}")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- uneven all-to-all fuzzing against a NumPy model ----------------------------------------
+
+
+def _tagged_rows(src: int, rows: np.ndarray, width: int) -> np.ndarray:
+    """The rows rank `src` sends: each element names (source, destination, row, column)."""
+    blocks = []
+    for dst, count in enumerate(rows[src]):
+        k = np.arange(count)[:, None]
+        col = np.arange(width)[None, :]
+        blocks.append(src * 1_000_000 + dst * 10_000 + k * 10 + col)
+    return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros((0, width), np.int64)
+
+
+def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
+    """Random uneven split patterns (zeros included): every received element is the one the
+    NumPy model says, in every dtype, shape and sync/async mode."""
+    _init()
+    torch.tpu.set_device(rank)
+    device = torch.device("tpu", rank)
+    rng = np.random.default_rng(2024 + world)  # the same patterns on every rank
+    for p in range(patterns):
+        rows = rng.integers(0, 6, (world, world))
+        rows[rng.random((world, world)) < rng.uniform(0.1, 0.6)] = 0
+        width = (1, 3)[p % 2]
+        dtype = (torch.int64, torch.float32)[(p // 2) % 2]
+        mine = _tagged_rows(rank, rows, width)
+        expected = np.concatenate([_tagged_rows(src, rows, width)[rows[src, :rank].sum():][: rows[src, rank]]
+                                   for src in range(world)])
+        host_in = torch.from_numpy(mine).to(dtype)
+        if width == 1:
+            host_in, expected = host_in.reshape(-1), expected.reshape(-1)
+        received = int(rows[:, rank].sum())
+        async_op = p % 3 == 0
+        if p % 4 == 3:  # the list form: one tensor per peer
+            inputs = [piece.to(device) for piece in host_in.split(rows[rank].tolist())]
+            outputs = [torch.empty((int(n), width)[: host_in.dim()], dtype=dtype, device=device)
+                       for n in rows[:, rank]]
+            work = dist.all_to_all(outputs, inputs, async_op=async_op)
+            sent = torch.cat([t.cpu() for t in inputs])
+        else:
+            inp = host_in.to(device)
+            outputs = [torch.empty((received, width)[: host_in.dim()], dtype=dtype, device=device)]
+            work = dist.all_to_all_single(outputs[0], inp, rows[:, rank].tolist(), rows[rank].tolist(), async_op=async_op)
+            sent = inp.cpu()
+        if async_op:
+            work.wait()
+        got = torch.cat([t.cpu() for t in outputs]).to(torch.int64).numpy()
+        assert got.shape == expected.shape and np.array_equal(got, expected), (
+            f"pattern {p} rows={rows.tolist()} rank {rank}: got {got.tolist()} expected {expected.tolist()}"
+        )
+        assert torch.equal(sent, host_in), f"pattern {p}: an input was modified"
+    dist.destroy_process_group()
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def _raises(error: type, match: str, fn: Callable, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        assert match in str(e), f"expected {match!r} in: {e}"
+        return str(e)
+    raise AssertionError(f"{fn.__name__} did not raise {error.__name__} ({match})")
+
+
+def errors(rank: int, world: int) -> None:
+    """Bad calls raise clear errors on every rank involved, and the group keeps working."""
+    _init()
+    torch.tpu.set_device(rank)
+    device = torch.device("tpu", rank)
+
+    # Ranks disagree on split sizes: every rank raises the same error, nothing is sent.
+    inp = torch.arange(3, device=device)
+    out = torch.empty(3 if rank == 0 else 4, dtype=torch.int64, device=device)
+    message = _raises(ValueError, "ranks disagree on sizes", dist.all_to_all_single, out, inp,
+                      [1, 2] if rank == 0 else [1, 3], [1, 2])
+    assert "rank 0 sends 2 rows to rank 1 (input_split_sizes[1]) but rank 1 expects 1 from rank 0" in message, message
+    # A rank's own sizes that do not add up.
+    _raises(ValueError, "sum to 4 rows, but dim 0 of the input has 3", dist.all_to_all_single,
+            torch.empty(4, dtype=torch.int64, device=device), inp, [2, 2], [2, 2])
+    _raises(ValueError, "does not divide by 2 ranks", dist.all_to_all_single, out, inp)
+    # Lists of the wrong length and mismatched shapes.
+    _raises(ValueError, "has 1 tensors, expected one per rank (2)", dist.all_gather,
+            [torch.empty(3, device=device)], torch.ones(3, device=device))
+    _raises(ValueError, "has 5 elements, expected 2 ranks x 3", dist.all_gather_into_tensor,
+            torch.empty(5, device=device), torch.ones(3, device=device))
+
+    # Tensors on the wrong device.
+    other = torch.device("tpu", rank + world)
+    _raises(RuntimeError, f"tensors are on {other}, but this process drives {device}", dist.all_reduce,
+            torch.ones(2, device=other))
+    _raises(RuntimeError, "must be on one device", dist.all_gather_into_tensor,
+            torch.empty(4), torch.ones(2, device=device))
+
+    # After all that, the group still works.
+    x = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    assert x.cpu().tolist() == [3.0] * 4
+
+    # A peer that never joins a collective: a clear time-out, no hang.
+    short = dist.new_group(backend="tpu_dist", timeout=timedelta(seconds=2))
+    if rank == 0:
+        start = time.monotonic()
+        _raises(CollectiveError, "all_reduce failed on rank 0", dist.all_reduce, torch.ones(2, device=device),
+                group=short)
+        assert time.monotonic() - start < 30
+    dist.barrier()
+
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    _raises(RuntimeError, "this process group was destroyed", group.allreduce, [torch.ones(2, device=device)])
+
+
+def tpu_only_group(rank: int, world: int) -> None:
+    """`init_process_group("tpu_dist")`: cpu tensors are refused, Python objects travel as tpu
+    tensors (object collectives pick the group's one device type), barriers work."""
+    _init("tpu_dist")
+    assert dist.get_backend_config() == "tpu:tpu_dist"
+    _raises(RuntimeError, "serves tpu tensors only", dist.all_reduce, torch.ones(2))
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank})
+    assert objects == [{"rank": r} for r in range(world)], objects
+    broadcast = [f"from {rank}"]
+    dist.broadcast_object_list(broadcast, src=world - 1)
+    assert broadcast == [f"from {world - 1}"], broadcast
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def init_alone(rank: int, world: int) -> None:
+    """Rank 0 of a group of 2 whose peer never starts: init_process_group times out."""
+    start = time.monotonic()
+    try:
+        dist.init_process_group("tpu_dist", world_size=2, rank=0, timeout=timedelta(seconds=3))
+    except (RuntimeError, dist.DistError) as error:
+        assert time.monotonic() - start < 60, "the time-out was not honoured"
+        assert "timed out" in str(error).lower() or "timeout" in str(error).lower(), error
+        return
+    raise AssertionError("init_process_group returned without its peer")
+
+
+# --- DDP ----------------------------------------------------------------------------------------
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _batches(world: int, steps: int, per_rank: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(world * per_rank, 8, generator=g), torch.randn(world * per_rank, 4, generator=g))
+            for _ in range(steps)]
+
+
+def ddp_training(rank: int, world: int, mode: str, steps: int = 10, per_rank: int = 4) -> None:
+    """DDP over tpu_dist on `tpu` equals single-process CPU training on the concatenated batch."""
+    _init()
+    torchtpu.set_eager_mode(mode)
+    device = torch.device("tpu", 0)  # host_per_rank layout: each rank's one device
+    model = torch.nn.parallel.DistributedDataParallel(_model().to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = _model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for x, y in _batches(world, steps, per_rank):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=lambda m: f"{name} after {steps} steps: {m}")
+    dist.destroy_process_group()

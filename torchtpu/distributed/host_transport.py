@@ -1,0 +1,159 @@
+"""The host transport: collectives on `tpu` tensors run by gloo over host buffers.
+
+This is the transport of the CPU stand-in (and of point-to-point traffic on TPU). Each call reads
+its tpu inputs as host tensors, launches gloo on them and, when the work is waited on, moves
+gloo's results into the tpu outputs. Where device memory is host memory (JAX's CPU platform) no
+byte is copied on our side: an input is a view of its device buffer, and a result buffer becomes
+the output's device buffer (`memory.move_from_host`). The one exception is a tensor that gloo
+updates in place (all_reduce, a receiving broadcast): device buffers are immutable, so gloo gets
+a private copy. On other platforms the same code moves data device -> host -> device.
+
+Gloo only reads the buffers passed as inputs here; the tests check that inputs are unchanged.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchtpu import runtime
+from torchtpu.distributed.checks import ExchangeSizes
+from torchtpu.distributed.work import TpuWork
+from torchtpu.exec import memory
+
+Tensors = Sequence[torch.Tensor]
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with `t`'s value; a view of its device memory where that is host
+    memory (treat it as read-only: device buffers are immutable)."""
+    array = memory.to_array(t)
+    if runtime.runtime().platform == "cpu":
+        import jax
+
+        jax.block_until_ready(array)
+        return torch.from_dlpack(array).view(t.shape)
+    return memory.numpy_to_torch(np.asarray(array)).view(t.shape)
+
+
+class _Staging:
+    """The host buffers of one collective, and which tpu output each result goes to."""
+
+    def __init__(self) -> None:
+        self.inputs: list[torch.Tensor] = []  # kept alive until gloo is done with them
+        self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        host = host_view(t)
+        self.inputs.append(host)
+        return host
+
+    def update(self, t: torch.Tensor) -> torch.Tensor:
+        host = host_view(t).clone()
+        self.moves.append((t, host))
+        return host
+
+    def receive(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tuple(t.shape), dtype=t.dtype)
+        self.moves.append((t, host))
+        return host
+
+    def read_flat(self, ts: Tensors) -> torch.Tensor:
+        """Several inputs, concatenated into one flat host buffer."""
+        return torch.cat([self.read(t).reshape(-1) for t in ts])
+
+    def receive_flat(self, ts: Tensors) -> torch.Tensor:
+        """One flat host buffer for several outputs, each receiving its piece."""
+        flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
+        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+            self.moves.append((t, piece.view(t.shape)))
+        return flat
+
+    def deliver(self) -> None:
+        for dst, src in self.moves:
+            memory.move_from_host(dst, src)
+
+
+class HostTransport:
+    """c10d collectives on tpu tensors (the methods and arguments of a c10d Backend), over gloo."""
+
+    def __init__(self, gloo: dist.ProcessGroupGloo, rank: int) -> None:
+        self._gloo = gloo
+        self._rank = rank
+
+    def _launch(
+        self, collective: str, staging: _Staging, work: dist.Work, result: Tensors, any_source: bool = False
+    ) -> TpuWork:
+        def complete(timeout: timedelta | None) -> None:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+            staging.deliver()
+
+        source_rank = work._source_rank if any_source else None
+        return TpuWork(collective, self._rank, complete, result, source_rank)
+
+    def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
+        s = _Staging()
+        return self._launch("all_reduce", s, self._gloo.allreduce([s.update(t) for t in tensors], opts), tensors)
+
+    def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
+        s = _Staging()
+        source = self._rank == opts.rootRank
+        host = [s.read(t) if source and i == opts.rootTensor else s.receive(t) for i, t in enumerate(tensors)]
+        return self._launch("broadcast", s, self._gloo.broadcast(host, opts), tensors)
+
+    def allgather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.AllgatherOptions) -> TpuWork:
+        s = _Staging()
+        host_out = [[s.receive(t) for t in group] for group in outputs]
+        work = self._gloo.allgather(host_out, [s.read(t) for t in inputs], opts)
+        return self._launch("all_gather", s, work, [t for group in outputs for t in group])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
+        s = _Staging()
+        work = self._gloo._allgather_base(s.receive(output), s.read(input), opts)
+        return self._launch("all_gather_into_tensor", s, work, [output])
+
+    def reduce_scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ReduceScatterOptions) -> TpuWork:
+        s = _Staging()
+        host_in = [[s.read(t) for t in group] for group in inputs]
+        work = self._gloo.reduce_scatter([s.receive(t) for t in outputs], host_in, opts)
+        return self._launch("reduce_scatter", s, work, outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions) -> TpuWork:
+        s = _Staging()
+        work = self._gloo._reduce_scatter_base(s.receive(output), s.read(input), opts)
+        return self._launch("reduce_scatter_tensor", s, work, [output])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
+                          opts: dist.AllToAllOptions) -> TpuWork:
+        s = _Staging()
+        input_splits, output_splits = sizes.splits(self._rank)
+        work = self._gloo.alltoall_base(s.receive(output), s.read(input), output_splits, input_splits, opts)
+        return self._launch("all_to_all_single", s, work, [output])
+
+    def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
+        """The list form, as one uneven all-to-all of the concatenated tensors: gloo's own list
+        form hangs when the tensors differ in size."""
+        s = _Staging()
+        input_splits, output_splits = sizes.splits(self._rank)
+        work = self._gloo.alltoall_base(s.receive_flat(outputs), s.read_flat(inputs), output_splits, input_splits, opts)
+        return self._launch("all_to_all", s, work, outputs)
+
+    def send(self, tensors: Tensors, dst: int, tag: int) -> TpuWork:
+        s = _Staging()
+        return self._launch("send", s, self._gloo.send([s.read(t) for t in tensors], dst, tag), tensors)
+
+    def recv(self, tensors: Tensors, src: int, tag: int) -> TpuWork:
+        s = _Staging()
+        return self._launch("recv", s, self._gloo.recv([s.receive(t) for t in tensors], src, tag), tensors)
+
+    def recv_anysource(self, tensors: Tensors, tag: int) -> TpuWork:
+        s = _Staging()
+        work = self._gloo.recv_anysource([s.receive(t) for t in tensors], tag)
+        return self._launch("recv", s, work, tensors, any_source=True)

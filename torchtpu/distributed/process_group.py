@@ -1,0 +1,224 @@
+"""`ProcessGroupTPU`: the torch.distributed process group behind the `tpu_dist` backend.
+
+A Python `ProcessGroup` (PyTorch's trampoline forwards C++ callers -- DDP's reducer,
+`_broadcast_coalesced` -- to these methods too). It checks each call's arguments and routes it:
+
+- `tpu` tensors go to the group's transport. On TPU that is the XLA transport (collectives
+  compiled across the chips of a global mesh; UNTESTED, there is no TPU here); everywhere else it
+  is the host transport (gloo over host buffers), which is what the CPU stand-in runs.
+- `cpu` tensors go straight to gloo when the group was created for them
+  (`init_process_group("cpu:gloo,tpu:tpu_dist")`); a tpu-only group rejects them.
+
+Both paths share one gloo backend, built on the group's own store, so the bytes travel through
+PyTorch's transport, not a home-made one. One process drives one tpu device: the group binds to
+the device of its first tpu collective and rejects tensors on any other.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from torchtpu.distributed import checks
+from torchtpu.distributed.host_transport import HostTransport
+from torchtpu.distributed.work import CollectiveError
+
+BACKEND_NAME = "tpu_dist"
+
+Tensors = Sequence[torch.Tensor]
+
+
+class ProcessGroupTPU(dist.ProcessGroup):
+    """Collectives on `tpu` tensors for torch.distributed (backend name `tpu_dist`)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._transport = _transport(self._gloo, store, rank, size, timeout)
+        self._device: torch.device | None = None
+        self._served: frozenset[str] | None = None
+        self._closed = False
+
+    # --- identity ---------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """Device types this group serves, from its backend config ("tpu", or "cpu" and "tpu").
+
+        PyTorch reads this to pick the device of object collectives and barriers; the C++
+        property would report none, since this group registers no C++ backend per device."""
+        return [torch.device(d) for d in sorted(self._served_types())]
+
+    def _served_types(self) -> frozenset[str]:
+        if self._served is None:
+            try:
+                config = dist.get_backend_config(self)
+            except (ValueError, RuntimeError):
+                return frozenset({"tpu"})  # still being created
+            self._served = frozenset(pair.split(":")[0] for pair in config.split(","))
+        return self._served
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._gloo.abort()
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def _route(self, collective: str, tensors: Tensors):
+        """The backend for this call's tensors: gloo for cpu tensors, the transport for tpu."""
+        if self._closed:
+            raise RuntimeError(f"tpu_dist {collective}: this process group was destroyed")
+        device = checks.placement(collective, tensors, "cpu" in self._served_types())
+        if device.type == "cpu":
+            return self._gloo
+        if self._device is None:
+            self._device = device
+        elif device != self._device:
+            raise RuntimeError(
+                f"tpu_dist {collective}: tensors are on {device}, but this process drives "
+                f"{self._device} in this group (one process per device: call "
+                f"torch.tpu.set_device(local_rank) before creating tensors)"
+            )
+        return self._transport
+
+    def _agree(self, collective: str, send: Sequence[int], recv: Sequence[int], row_numel: int,
+               dtype: torch.dtype, unit: str, send_name: str, recv_name: str) -> checks.ExchangeSizes:
+        """Check with every rank that what each sends is what its peer expects (see `checks`)."""
+        mine = checks.exchange_row(send, recv, row_numel, dtype)
+        table = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
+        try:
+            self._gloo._allgather_base(table, mine).wait()
+        except RuntimeError as error:
+            raise CollectiveError(
+                f"tpu_dist {collective}: exchanging sizes failed on rank {self.rank()}: {error}"
+            ) from error
+        table = table.view(self.size(), mine.numel()).numpy()
+        return checks.check_exchange_table(collective, table, unit, send_name, recv_name)
+
+    # --- collectives (c10d names and arguments) ---------------------------------------------
+
+    def allreduce(self, tensors: Tensors, opts: c10d.AllreduceOptions | None = None) -> dist.Work:
+        backend = self._route("all_reduce", tensors)
+        return backend.allreduce(tensors, opts or c10d.AllreduceOptions())
+
+    def broadcast(self, tensors: Tensors, opts: c10d.BroadcastOptions | None = None) -> dist.Work:
+        opts = opts or c10d.BroadcastOptions()
+        backend = self._route("broadcast", tensors)
+        checks.root_rank("broadcast", opts.rootRank, self.size())
+        return backend.broadcast(tensors, opts)
+
+    def allgather(self, output_tensors: Sequence[Tensors], input_tensors: Tensors,
+                  opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        c = "all_gather"
+        outputs = [t for group in output_tensors for t in group]
+        backend = self._route(c, [*outputs, *input_tensors])
+        checks.same_dtype(c, [*outputs, *input_tensors])
+        for group, input in zip(output_tensors, input_tensors, strict=True):
+            checks.list_length(c, "tensor_list", group, self.size())
+            checks.same_shapes(c, "tensor_list", group, input, "tensor")
+        return backend.allgather(output_tensors, input_tensors, opts or c10d.AllgatherOptions())
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        c = "all_gather_into_tensor"
+        backend = self._route(c, [output, input])
+        checks.same_dtype(c, [output, input])
+        checks.world_multiple(c, output, "output_tensor", input, "input_tensor", self.size())
+        return backend.all_gather_single(output, input, opts or c10d.AllgatherOptions())
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter(self, output_tensors: Tensors, input_tensors: Sequence[Tensors],
+                       opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+        c = "reduce_scatter"
+        inputs = [t for group in input_tensors for t in group]
+        backend = self._route(c, [*output_tensors, *inputs])
+        checks.same_dtype(c, [*output_tensors, *inputs])
+        for output, group in zip(output_tensors, input_tensors, strict=True):
+            checks.list_length(c, "input_list", group, self.size())
+            checks.same_shapes(c, "input_list", group, output, "output")
+        return backend.reduce_scatter(output_tensors, input_tensors, opts or c10d.ReduceScatterOptions())
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+        c = "reduce_scatter_tensor"
+        backend = self._route(c, [output, input])
+        checks.same_dtype(c, [output, input])
+        checks.world_multiple(c, input, "input", output, "output", self.size())
+        return backend.reduce_scatter_single(output, input, opts or c10d.ReduceScatterOptions())
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+        c = "all_to_all_single"
+        backend = self._route(c, [output, input])
+        checks.same_dtype(c, [output, input])
+        checks.row_shapes(c, output, input)
+        send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self.size())
+        recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self.size())
+        sizes = self._agree(c, send, recv, checks.row_numel(input), input.dtype, "rows", "input_split_sizes",
+                            "output_split_sizes")
+        opts = opts or c10d.AllToAllOptions()
+        if backend is self._gloo:
+            return self._gloo.alltoall_base(output, input, recv, send, opts)
+        return backend.all_to_all_single(output, input, sizes, opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: Tensors, input_tensors: Tensors,
+                 opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+        c = "all_to_all"
+        backend = self._route(c, [*output_tensors, *input_tensors])
+        checks.same_dtype(c, [*output_tensors, *input_tensors])
+        checks.list_length(c, "output_tensor_list", output_tensors, self.size())
+        checks.list_length(c, "input_tensor_list", input_tensors, self.size())
+        sizes = self._agree(c, [t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
+                            input_tensors[0].dtype, "elements", "input_tensor_list", "output_tensor_list")
+        opts = opts or c10d.AllToAllOptions()
+        if backend is self._gloo:
+            return self._gloo.alltoall(output_tensors, input_tensors, opts)
+        return backend.alltoall(output_tensors, input_tensors, sizes, opts)
+
+    def barrier(self, opts: c10d.BarrierOptions | None = None) -> dist.Work:
+        if self._closed:
+            raise RuntimeError("tpu_dist barrier: this process group was destroyed")
+        return self._gloo.barrier(opts or c10d.BarrierOptions())
+
+    def send(self, tensors: Tensors, dstRank: int, tag: int) -> dist.Work:
+        backend = self._route("send", tensors)
+        checks.root_rank("send", dstRank, self.size())
+        return backend.send(tensors, dstRank, tag)
+
+    def recv(self, tensors: Tensors, srcRank: int, tag: int) -> dist.Work:
+        backend = self._route("recv", tensors)
+        checks.root_rank("recv", srcRank, self.size())
+        return backend.recv(tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors: Tensors, tag: int) -> dist.Work:
+        return self._route("recv", tensors).recv_anysource(tensors, tag)
+
+
+def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int, timeout: timedelta):
+    """The one switch: XLA collectives on TPU, gloo over host buffers everywhere else."""
+    from torchtpu.distributed import xla_transport
+
+    if xla_transport.on_tpu():
+        return xla_transport.XlaTransport(gloo, store, rank, size, timeout)
+    return HostTransport(gloo, rank)
+
+
+def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupTPU:
+    """The creator registered with `dist.Backend.register_backend` for `tpu_dist`."""
+    return ProcessGroupTPU(store, rank, size, timeout)

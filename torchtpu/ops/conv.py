@@ -1,4 +1,4 @@
-"""Convolution and its backward, over `lax.conv_general_dilated`.
+"""Convolution and its backward, over `lax.conv_general_dilated`, and col2im (fold).
 
 One N-d convolution serves 1d/2d/3d. Every convolution here -- forward, transposed, and both
 gradients -- is a contraction, so each goes through `precision.conv_general_dilated` and takes the
@@ -130,3 +130,32 @@ def convolution_backward(
         axes = (0,) + tuple(range(2, grad.ndim))
         grad_bias = jnp.sum(grad.astype(opmath(grad.dtype)), axes).astype(ctx.out_dtype(2))
     return grad_input, grad_weight, grad_bias
+
+
+@registry.register(aten.col2im.default)
+def col2im(ctx, cols, output_size, kernel_size, dilation, padding, stride):
+    """Sum sliding-window columns (N, C * kh * kw, L) back into images (N, C, H, W): each kernel
+    offset's (Lh, Lw) block lands on a strided grid of the padded image (an interior-padded
+    block), and the blocks add up; overlapping windows accumulate, as in PyTorch."""
+    kh, kw = kernel_size
+    batch = cols.shape[:-2]
+    padded = [size + 2 * p for size, p in zip(output_size, padding)]
+    blocks = [
+        (size - d * (k - 1) - 1) // s + 1
+        for size, k, d, s in zip(padded, kernel_size, dilation, stride)
+    ]
+    cols = cols.reshape(batch + (-1, kh, kw) + tuple(blocks))
+    zero = jnp.zeros((), cols.dtype)
+    out = None
+    for i in range(kh):
+        for j in range(kw):
+            config = [(0, 0, 0)] * (len(batch) + 1)
+            for offset, block, size, s in (
+                (i * dilation[0], blocks[0], padded[0], stride[0]),
+                (j * dilation[1], blocks[1], padded[1], stride[1]),
+            ):
+                config.append((offset, size - offset - (block - 1) * s - 1, s - 1))
+            placed = lax.pad(cols[..., i, j, :, :], zero, config)
+            out = placed if out is None else out + placed
+    (ph, pw), (h, w) = padding, output_size
+    return out[..., ph: ph + h, pw: pw + w]

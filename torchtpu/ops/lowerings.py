@@ -18,6 +18,7 @@ from torchtpu.ops import (  # noqa: F401
     pooling,
     random,
     reduction,
+    sampling,
     shape,
     sorting,
     special,

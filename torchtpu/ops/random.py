@@ -45,9 +45,15 @@ def _param(value, dtype):
 
 
 def _uniform(ctx, low=0.0, high=1.0):
-    dtype = _sampling_dtype(ctx)
+    """U[low, high) in the output dtype. Sampled in opmath; a draw that rounds up to `high` in
+    the output dtype becomes the largest value below it (as CUDA's kernel does), so the
+    interval stays half-open in bfloat16 too."""
+    out, dtype = ctx.out_dtype(), _sampling_dtype(ctx)
+    low, high = _param(low, dtype), _param(high, dtype)
     u = jax.random.uniform(ctx.rng_key(), ctx.out_shape(), dtype)
-    return _param(low, dtype) + (_param(high, dtype) - _param(low, dtype)) * u
+    value = (low + (high - low) * u).astype(out)
+    top = high.astype(out)
+    return jnp.where(value >= top, jnp.nextafter(top, low.astype(out)), value)
 
 
 def _normal(ctx, mean=0.0, std=1.0):

@@ -61,6 +61,14 @@ def test_continuous_distribution(name):
     assert stats.kstest(samples, reference.cdf).pvalue > P_MIN
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_uniform_interval_stays_half_open(dtype):
+    samples = torch.rand(10 * N, dtype=dtype, device="tpu").cpu()
+    assert samples.dtype == dtype and samples.min() >= 0 and samples.max() < 1
+    shifted = torch.empty(10 * N, dtype=dtype, device="tpu").uniform_(-3, 5).cpu()
+    assert shifted.min() >= -3 and shifted.max() < 5
+
+
 def test_normal_with_tensor_mean_and_std_broadcasts_elementwise():
     mean = torch.linspace(-5, 5, N).reshape(100, 200)
     std = torch.linspace(0.5, 3, 200)
@@ -180,10 +188,10 @@ def test_random_rejects_empty_or_out_of_dtype_ranges():
 
 def test_draws_and_new_parameters_do_not_recompile():
     x = torch.zeros(64, device="tpu")
-    x.uniform_(0, 1)
+    x.uniform_(-1, 1)  # not the defaults (0, 1), which the executor keeps static
     torch.rand(64, device="tpu")
     before = torchtpu.metrics().get("eager_programs", 0)
-    for low in range(5):
+    for low in range(1, 5):
         x.uniform_(low, low + 1)
         torch.rand(64, device="tpu")
     assert torchtpu.metrics().get("eager_programs", 0) == before

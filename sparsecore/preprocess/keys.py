@@ -24,14 +24,13 @@ from sparsecore.topology import Topology
 
 __all__ = ["KeyLayout", "stable_argsort"]
 
-_DIGIT_BITS = 16
-
 
 def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
     """Stable argsort of non-negative integer keys below `bound`.
 
-    Least-significant-digit radix sort on 16-bit digits: NumPy sorts 16-bit keys stably in
-    linear time, several times faster than its comparison sort of int64 keys.
+    Least-significant-digit radix sort: NumPy sorts 8- and 16-bit keys stably in linear time,
+    several times faster than its comparison sort of int32/int64 keys. Digits are 16 bits, the
+    last one 8 when that covers what is left.
     """
     order: np.ndarray | None = None
     shift = 0
@@ -39,9 +38,11 @@ def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
         digits = keys if order is None else keys[order]
         if shift:
             digits = digits >> shift
-        digit_order = np.argsort((digits & 0xFFFF).astype(np.uint16), kind="stable")
+        highest_digit = (bound - 1) >> shift
+        dtype = np.uint8 if highest_digit < 1 << 8 else np.uint16
+        digit_order = np.argsort((digits & 0xFFFF).astype(dtype), kind="stable")
         order = digit_order if order is None else order[digit_order]
-        shift += _DIGIT_BITS
+        shift += 16
         if bound <= 1 << shift:
             return order
 

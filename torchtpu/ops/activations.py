@@ -100,6 +100,18 @@ def rrelu_with_noise_functional(ctx, x, noise, lower=0.125, upper=1 / 3, trainin
     return value * slope, slope
 
 
+@registry.register_data_dependent(aten.rrelu_with_noise.default)
+def rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """`rrelu_with_noise` writes its `noise` argument but has no trailing underscore, so the
+    executors cannot derive it from its functional form as they do for in-place ops. This
+    kernel over `tpu` tensors runs the functional form and writes the noise back (in training,
+    where PyTorch writes it)."""
+    out, drawn = aten.rrelu_with_noise_functional(x, noise, lower, upper, training, generator=generator)
+    if training:
+        noise.copy_(drawn)
+    return out
+
+
 @gradient(aten.rrelu_with_noise_backward.default, operands=("grad_output", "self", "noise"))
 def rrelu_with_noise_backward(ctx, grad, x, noise, lower, upper, training, self_is_result):
     slope = jnp.where(x > 0, jnp.ones_like(grad), _like((lower + upper) / 2, grad))

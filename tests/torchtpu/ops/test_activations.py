@@ -157,6 +157,19 @@ def test_rrelu_with_noise_functional_samples_within_bounds():
     torch.testing.assert_close(out.cpu(), F.leaky_relu(x, 0.2))
 
 
+def test_rrelu_training_draws_slopes_and_backpropagates_them():
+    x = torch.randn(500, generator=torch.Generator().manual_seed(4)).to("tpu").requires_grad_()
+    out = F.rrelu(x, 0.1, 0.3, training=True)
+    out.sum().backward()
+    slope = (out / x).detach().cpu()
+    negative = (x < 0).cpu()
+    assert slope[negative].min() >= 0.1 and slope[negative].max() <= 0.3
+    torch.testing.assert_close(slope[~negative], torch.ones(int((~negative).sum())))
+    torch.testing.assert_close(x.grad.cpu(), slope)  # d(x * slope)/dx = the drawn slope
+    evaluation = F.rrelu(x.detach(), 0.1, 0.3, training=False)
+    torch.testing.assert_close(evaluation.cpu(), F.leaky_relu(x.detach().cpu(), 0.2))
+
+
 def test_changing_hyperparameters_does_not_recompile():
     x = RANDOM.to("tpu")
     F.leaky_relu(x, 0.1), F.elu(x, 0.5), F.softplus(x, 2.0, 10.0), F.hardtanh(x, -0.5, 0.5)

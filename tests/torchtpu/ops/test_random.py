@@ -188,14 +188,14 @@ def test_random_rejects_empty_or_out_of_dtype_ranges():
 
 def test_draws_and_new_parameters_do_not_recompile():
     x = torch.zeros(64, device="tpu")
-    x.uniform_(-1, 1)  # not the defaults (0, 1), which the executor keeps static
+    x.uniform_(-1.5, 2.5)  # values other than the defaults (0, 1), which the executor keeps static
     torch.rand(64, device="tpu")
     before = torchtpu.metrics().get("eager_programs", 0)
-    for low in range(1, 5):
+    for low in (2.25, 3.25, 4.25):
         x.uniform_(low, low + 1)
         torch.rand(64, device="tpu")
     assert torchtpu.metrics().get("eager_programs", 0) == before
-    assert x.cpu().min() >= 4 and x.cpu().max() < 5
+    assert x.cpu().min() >= 4.25 and x.cpu().max() < 5.25
 
 
 def test_explicit_cpu_generator_is_refused_with_a_clear_error():

@@ -57,7 +57,7 @@ class DeviceBuffer:
     as zeros, like fresh device memory that happens to be cleared).
     """
 
-    __slots__ = ("value", "dtype", "numel", "device", "nbytes", "untyped", "__weakref__")
+    __slots__ = ("value", "dtype", "numel", "device", "nbytes", "untyped", "sharded", "__weakref__")
 
     def __init__(self, dtype: torch.dtype, numel: int, device: int, value: Any = None,
                  untyped: bool = False) -> None:
@@ -69,6 +69,8 @@ class DeviceBuffer:
         # Raw bytes (e.g. a storage restored by torch.load): the first tensor that reads it with
         # another dtype decides the element type (see `retype`).
         self.untyped = untyped
+        # Spread over the devices of `torchtpu.sharding.mesh()` (see torchtpu.sharding).
+        self.sharded = False
         stats.add(device, self.nbytes)
 
     def retype(self, dtype: torch.dtype) -> None:

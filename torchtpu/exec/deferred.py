@@ -105,8 +105,14 @@ def _input(graph: _Graph, array, owner: DeviceBuffer | None) -> int:
 
 
 def record(call: opcall.Call) -> Any:
-    """Record one call; return its result with promises in place of values."""
+    """Record one call; return its result with promises in place of values.
+
+    A call on sharded tensors (spread over the mesh) is not fused with single-device work: the
+    pending graph runs first, then the call runs on its own."""
     with _state.lock:
+        if any(spec.sharded for spec in call.storages):
+            flush("sharded op")
+            return eager.run(call)
         return _record(call)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from torchtpu import counters, runtime
 from torchtpu.exec import modes, opcall
+from torchtpu.sharding import is_sharded, replicated
 from torchtpu.storage import DeviceBuffer, new_tensor
 
 
@@ -29,6 +30,7 @@ class Executable:
     jitted: Callable[..., Any]
     n_written: int
     n_new: int
+    sharded: bool  # reads buffers spread over a mesh: XLA's SPMD partitioner places outputs
 
 
 _cache: dict[tuple, Executable] = {}
@@ -44,15 +46,15 @@ def _compile(call: opcall.Call) -> Executable:
 
     program = opcall.program_for(call)
     donate = tuple(pos for pos, storage in enumerate(program.inputs) if storage in program.written)
-    device = runtime.jax_device(call.device)
-    jitted = jax.jit(
-        program.fn,
-        donate_argnums=donate,
-        out_shardings=SingleDeviceSharding(device),
-    )
+    sharded = any(spec.sharded for spec in call.storages)
+    if sharded:
+        jitted = jax.jit(program.fn, donate_argnums=donate)
+    else:
+        device = runtime.jax_device(call.device)
+        jitted = jax.jit(program.fn, donate_argnums=donate, out_shardings=SingleDeviceSharding(device))
     counters.count("eager_programs")
     counters.count_op("eager_programs_by_op", str(call.key[0]))
-    exe = Executable(program, jitted, len(program.written), len(program.new))
+    exe = Executable(program, jitted, len(program.written), len(program.new), sharded)
     _cache[call.key] = exe
     return exe
 
@@ -67,6 +69,8 @@ def run(call: opcall.Call) -> Any:
     buffers = call.buffers
     program = exe.program
     inputs = [buffers[i].value for i in program.inputs]
+    if exe.sharded:
+        inputs = [v if buffers[i].sharded else replicated(v) for i, v in zip(program.inputs, inputs)]
     outs = exe.jitted(*inputs, *call.dynamic)
     if compiled_now:
         counters.add_time("eager_compile", time.perf_counter() - start)
@@ -74,19 +78,23 @@ def run(call: opcall.Call) -> Any:
         import jax
 
         jax.block_until_ready(outs)
-    return finish(call, program, outs)
+    return finish(call, program, outs, exe.sharded)
 
 
-def finish(call: opcall.Call, program: opcall.Program, outs) -> Any:
+def finish(call: opcall.Call, program: opcall.Program, outs, sharded: bool = False) -> Any:
     """Install a program's outputs: replace mutated buffers, wrap new tensors, read host values."""
     buffers = call.buffers
     n_written = len(program.written)
     for i, storage in enumerate(program.written):
         buffers[storage].value = outs[i]
+        if sharded:
+            buffers[storage].sharded = is_sharded(outs[i])
     new = []
     device = call.device
     for j, spec in enumerate(program.new):
         buffer = DeviceBuffer(spec.dtype, spec.numel, device, outs[n_written + j])
+        if sharded:
+            buffer.sharded = is_sharded(buffer.value)
         new.append(new_tensor(buffer, spec.sizes, spec.strides))
     host = [np.asarray(v).item() for v in outs[n_written + len(program.new):]]
     return opcall.assemble(program.result, call, new, host)

@@ -100,8 +100,14 @@ def to_array(t: torch.Tensor):
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """The logical value of a `tpu` tensor as a host numpy array (bf16 as ml_dtypes.bfloat16).
 
-    Where device memory is host memory (the CPU platform) this is a read-only view of it."""
-    return np.asarray(to_array(t)).reshape(tuple(t.shape))
+    Where device memory is host memory (the CPU platform) this is a read-only view of it. A
+    sharded tensor is gathered (in a multi-process job every process must take part)."""
+    value = to_array(t)
+    if not getattr(value, "is_fully_addressable", True):
+        from jax.experimental import multihost_utils
+
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(value).reshape(tuple(t.shape))
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:

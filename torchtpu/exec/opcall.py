@@ -32,6 +32,7 @@ class StorageSpec(NamedTuple):
     dtype: torch.dtype
     numel: int
     initialized: bool
+    sharded: bool = False
 
 
 class TensorRef(NamedTuple):
@@ -121,7 +122,7 @@ class Inputs:
         if index is None:
             index = self._seen[id(buffer)] = len(self.buffers)
             self.buffers.append(buffer)
-            self.storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None))
+            self.storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None, buffer.sharded))
         sizes = tuple(t.shape)
         dtype = t.dtype
         if dtype == buffer.dtype and t.storage_offset() == 0 and t.is_contiguous() and (

@@ -1,0 +1,1 @@
+"""PyTorch's OpInfo database run on `tpu` against CPU (see README.md)."""

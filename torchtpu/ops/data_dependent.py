@@ -41,13 +41,25 @@ def nonzero(x: torch.Tensor) -> torch.Tensor:
     return aten.nonzero_static.default(x, size=count, fill_value=-1)
 
 
+def masks_to_indices(indices) -> list:
+    """Advanced-indexing `indices` with every boolean mask replaced by the coordinates of its
+    True elements (one index tensor per dim it covers), as PyTorch expands masks: one host read
+    per mask, after which indexing has a static shape."""
+    expanded = []
+    for index in indices:
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            expanded.extend(nonzero(index).unbind(1))
+        else:
+            expanded.append(index)
+    return expanded
+
+
 @registry.register_data_dependent(aten.masked_select.default)
 def masked_select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype != torch.bool:
         raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
     shape = torch.broadcast_shapes(x.shape, mask.shape) or (1,)
-    x, mask = x.expand(shape), mask.expand(shape)
-    return aten.index.Tensor(x, list(nonzero(mask).unbind(1)))
+    return aten.index.Tensor(x.expand(shape), masks_to_indices([mask.expand(shape)]))
 
 
 # --- unique ------------------------------------------------------------------------------------------

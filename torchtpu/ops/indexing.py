@@ -62,18 +62,20 @@ def _scatter_coordinates(ndim: int, dim: int, index) -> tuple:
     )
 
 
-_IDENTITY = {"sum": 0, "mean": 0, "prod": 1}
-
-
 def _identity(reduce: str, dtype):
-    if reduce in _IDENTITY:
-        return jnp.asarray(_IDENTITY[reduce], dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return jnp.asarray(-jnp.inf if reduce == "amax" else jnp.inf, dtype)
-    info = jnp.iinfo(dtype) if dtype != np.bool_ else None
-    if info is None:
-        return jnp.asarray(reduce == "amin", dtype)
-    return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
+    """The value an addressed position starts from when `include_self=False`."""
+    if reduce in ("sum", "mean"):
+        value = 0
+    elif reduce == "prod":
+        value = 1
+    elif dtype == np.bool_:
+        value = reduce == "amin"
+    elif jnp.issubdtype(dtype, jnp.floating):
+        value = -jnp.inf if reduce == "amax" else jnp.inf
+    else:
+        info = jnp.iinfo(dtype)
+        value = info.min if reduce == "amax" else info.max
+    return jnp.asarray(value, dtype)
 
 
 def scatter_reduce_along(x, dim: int, index, src, reduce: str, include_self: bool = True):
@@ -143,7 +145,7 @@ def scatter_reduce(ctx, x, dim, index, src, reduce, *, include_self=True):
 # --- index_select / index_reduce: a 1-D index along one dim ---------------------------------------
 
 
-def _along(ndim: int, dim: int, index) -> tuple:
+def _along(dim: int, index) -> tuple:
     return (slice(None),) * dim + (index,)
 
 
@@ -151,7 +153,7 @@ def _along(ndim: int, dim: int, index) -> tuple:
 def index_select(ctx, x, dim, index):
     x = _at_least_1d(x)
     dim = canonical_dim(dim, x.ndim)
-    out = x.at[_along(x.ndim, dim, index.reshape(-1))].get(**READ, **STRICT)
+    out = x.at[_along(dim, index.reshape(-1))].get(**READ, **STRICT)
     return out.reshape(ctx.out_shape())
 
 

@@ -1,8 +1,9 @@
 """Shape ops that make new tensors: concatenation, padding, flips and rolls, repeats, triangles,
 diagonal embedding, the `*_scatter` ops and the backward ops of views.
 
-The `*_scatter` ops and the views' backward ops are adjoints of the view bodies in `views.py`
-(`transpose_view`): a view's index arithmetic lives in one place, and XLA sees pads and slices.
+The `*_scatter` ops and the backward ops of views and paddings are adjoints of the forward
+bodies (`views.transpose_view`): each op's index arithmetic is written once, and XLA sees the
+transpose of a slice as a pad and of a gather as a scatter-add.
 """
 
 from __future__ import annotations

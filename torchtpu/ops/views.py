@@ -116,7 +116,8 @@ def as_strided(x, meta: torch.Tensor, size: Sequence[int], stride: Sequence[int]
 
 def transpose_view(view: Callable, shape: Sequence[int], dtype, value):
     """The adjoint of the linear map `view` from arrays of `shape`: `value` placed where `view`
-    reads it, zeros elsewhere, overlapping reads summed. XLA lowers it to pads and slices."""
+    reads it, zeros elsewhere, overlapping reads summed. A slice's adjoint is a pad, a gather's
+    a scatter-add; bool values go through uint8 (linear maps need numbers)."""
     dtype = np.dtype(dtype)
     work = np.dtype(np.uint8) if dtype == np.bool_ else dtype
     adjoint = jax.linear_transpose(view, jax.ShapeDtypeStruct(tuple(shape), work))
@@ -159,21 +160,18 @@ def identity(ctx, x):
 
 @registry.register(aten.view_copy.dtype)
 def view_dtype(ctx, x, dtype):
-    """Reinterpret the bytes of the last dim (`Tensor.view(dtype)`)."""
-    target = ctx.out_dtype()
-    source_bits, target_bits = x.dtype.itemsize, np.dtype(target).itemsize
-    if x.dtype == np.bool_ or target == np.bool_:
-        x = x.astype(np.uint8) if x.dtype == np.bool_ else x
-        out = lax.bitcast_convert_type(x, np.uint8 if target == np.bool_ else target)
-        return out.astype(target)
-    if source_bits == target_bits:
-        return lax.bitcast_convert_type(x, target)
-    if source_bits > target_bits:
-        out = lax.bitcast_convert_type(x, target)
-        return out.reshape(*x.shape[:-1], x.shape[-1] * (source_bits // target_bits))
-    ratio = target_bits // source_bits
-    grouped = x.reshape(*x.shape[:-1], x.shape[-1] // ratio, ratio)
-    return lax.bitcast_convert_type(grouped, target)
+    """Reinterpret the bytes of the last dim (`Tensor.view(dtype)`); bool travels as uint8."""
+    target = np.dtype(ctx.out_dtype())
+    bits = np.dtype(np.uint8) if target == np.bool_ else target
+    x = x.astype(np.uint8) if x.dtype == np.bool_ else x
+    if x.dtype.itemsize > bits.itemsize:
+        out = lax.bitcast_convert_type(x, bits).reshape(ctx.out_shape())
+    elif x.dtype.itemsize < bits.itemsize:
+        ratio = bits.itemsize // x.dtype.itemsize
+        out = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, ratio), bits)
+    else:
+        out = lax.bitcast_convert_type(x, bits)
+    return out.astype(target)
 
 
 @registry.register(aten.permute_copy.default)

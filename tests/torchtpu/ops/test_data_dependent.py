@@ -8,29 +8,13 @@ import math
 
 import pytest
 import torch
-from torch.utils._pytree import tree_map
 
 import torchtpu
 from torchtpu.exec import memory
 
+from cpu_reference import same_as_cpu, strict_ops  # noqa: F401
+
 NAN = math.nan
-
-
-@pytest.fixture(autouse=True)
-def strict_ops(monkeypatch):
-    monkeypatch.setenv("TORCHTPU_STRICT_OPS", "1")
-
-
-def _to(device: str):
-    return lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
-
-
-def same_as_cpu(fn, *args):
-    """`fn` on `tpu` copies of `args` equals `fn` on the CPU originals (dtype and shape too)."""
-    expected = fn(*args)
-    actual = tree_map(_to("cpu"), fn(*tree_map(_to("tpu"), args)))
-    torch.testing.assert_close(actual, expected, equal_nan=True, rtol=0, atol=0)
-
 
 X = torch.tensor([[0.0, 1.5, 0.0], [-2.0, 0.0, NAN]])
 

@@ -10,43 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-import torchtpu  # noqa: F401
+import torchtpu
+
+from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops, to  # noqa: F401
 
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def strict_ops(monkeypatch):
-    monkeypatch.setenv("TORCHTPU_STRICT_OPS", "1")
-
-
-def _to(device: str):
-    return lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
-
-
-def same_as_cpu(fn, *args, exact: bool = True):
-    """`fn` on `tpu` copies of `args` equals `fn` on the CPU originals (dtype and shape too)."""
-    expected = fn(*args)
-    actual = tree_map(_to("cpu"), fn(*tree_map(_to("tpu"), args)))
-    tolerance = dict(rtol=0, atol=0) if exact else {}
-    torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance)
-
-
-def grads_same_as_cpu(fn, *inputs, differentiable=None):
-    """Gradients of sum(fn(inputs) * cotangent) on `tpu` equal CPU's, for the float inputs (or
-    the positions listed in `differentiable`)."""
-    positions = differentiable or [i for i, x in enumerate(inputs) if x.is_floating_point()]
-
-    def grads(device):
-        moved = [x.detach().to(device) for x in inputs]
-        for i in positions:
-            moved[i].requires_grad_()
-        out = fn(*moved)
-        cotangent = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).reshape(out.shape).to(device)
-        return tree_map(_to("cpu"), torch.autograd.grad(out, [moved[i] for i in positions], cotangent))
-
-    torch.testing.assert_close(grads("tpu"), grads("cpu"))
-
 
 X = torch.randn(3, 4, 5)
 XI = torch.randint(-50, 50, (3, 4, 5))
@@ -392,3 +360,22 @@ def test_embedding_bag_sparse_gradient_is_refused():
     out = F.embedding_bag(INDICES.to("tpu"), weight, OFFSETS.to("tpu"), sparse=True)
     with pytest.raises(ValueError, match="sparse gradients are not supported"):
         out.sum().backward()
+
+
+def test_lowerings_inside_a_compiled_graph():
+    """`torch.compile(backend="tpu")` runs these lowerings inside one program (no eager rerun)."""
+
+    def fn(x, index, rows, weight, ids, offsets, mask):
+        return (
+            torch.gather(x, 1, index) * 2,
+            x.scatter_add(0, index, torch.ones_like(index, dtype=x.dtype)),
+            F.embedding_bag(ids, weight, offsets, mode="mean"),
+            x.masked_fill(mask, 0.5),
+            x.index_put((rows,), torch.tensor(3.0, device=x.device), accumulate=True),
+        )
+
+    args = (X[0], torch.randint(0, 4, (2, 3)), torch.tensor([2, 0, 2]), WEIGHT, INDICES, OFFSETS, MASK)
+    eager_before = torchtpu.metrics().get("compiled_graphs_run_eagerly", 0)
+    actual = torch.compile(fn, backend="tpu")(*tree_map(to("tpu"), args))
+    torch.testing.assert_close(tree_map(to("cpu"), actual), fn(*args))
+    assert torchtpu.metrics().get("compiled_graphs_run_eagerly", 0) == eager_before

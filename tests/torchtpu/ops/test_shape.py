@@ -22,37 +22,9 @@ import torchtpu  # noqa: F401
 from torchtpu.ops import registry
 from torchtpu.ops.schema import signature
 
+from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def strict_ops(monkeypatch):
-    monkeypatch.setenv("TORCHTPU_STRICT_OPS", "1")
-
-
-def _to(device: str):
-    return lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
-
-
-def same_as_cpu(fn, *args, exact: bool = True):
-    """`fn` on `tpu` copies of `args` equals `fn` on the CPU originals (dtype and shape too)."""
-    expected = fn(*args)
-    actual = tree_map(_to("cpu"), fn(*tree_map(_to("tpu"), args)))
-    tolerance = dict(rtol=0, atol=0) if exact else {}
-    torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance)
-
-
-def grads_same_as_cpu(fn, *inputs):
-    """d(sum(fn(inputs) * cotangent))/d(inputs) on `tpu` equals CPU's."""
-
-    def grads(device):
-        leaves = [x.detach().to(device).requires_grad_() for x in inputs]
-        out = fn(*leaves)
-        cotangent = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).to(device)
-        return tree_map(_to("cpu"), torch.autograd.grad(out, leaves, cotangent))
-
-    torch.testing.assert_close(grads("tpu"), grads("cpu"))
-
 
 X = torch.randn(3, 4, 5)
 NONCONTIGUOUS = torch.randn(5, 4, 3).permute(2, 1, 0)

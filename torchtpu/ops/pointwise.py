@@ -89,7 +89,10 @@ def div_rounding(ctx, x, y, *, rounding_mode=None):
         compute, _ = ctx.promotion(INT_TO_FLOAT, "self", "other")
         return x.astype(compute) / y.astype(compute)
     if rounding_mode == "trunc":
-        return lax.div(*jnp.broadcast_arrays(x, y)) if _is_integer(x) else jnp.trunc(x / y)
+        if _is_integer(x):
+            return lax.div(*jnp.broadcast_arrays(x, y))
+        # PyTorch's vectorized CPU kernel rounds a bf16/f16 quotient to that dtype before trunc.
+        return jnp.trunc((x / y).astype(ctx.out_dtype()).astype(x.dtype))
     if rounding_mode == "floor":
         return _floor_divide(x, y)
     raise ValueError(

@@ -143,11 +143,10 @@ class SGD(OptimizerSpec):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Adagrad(OptimizerSpec):
-    """Element-wise Adagrad (FBGEMM ``EXACT_ADAGRAD``):
-    ``acc += grad²; row -= lr * grad / (sqrt(acc) + eps)``."""
+class _AdagradFamily(OptimizerSpec):
+    """``acc += squared(grad); row -= lr * grad / (sqrt(acc) + eps)``, with one accumulator per
+    element or (`PER_ROW`) per row holding the row's mean squared gradient."""
 
-    NAME: ClassVar[str] = "adagrad"
     HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("epsilon",)
     PER_ROW: ClassVar[bool] = False
 
@@ -168,7 +167,15 @@ class Adagrad(OptimizerSpec):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RowWiseAdagrad(Adagrad):
+class Adagrad(_AdagradFamily):
+    """Element-wise Adagrad (FBGEMM ``EXACT_ADAGRAD``):
+    ``acc += grad²; row -= lr * grad / (sqrt(acc) + eps)``."""
+
+    NAME: ClassVar[str] = "adagrad"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad(_AdagradFamily):
     """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): one accumulator per row,
     ``acc += mean(grad², over the row); row -= lr * grad / (sqrt(acc) + eps)``."""
 

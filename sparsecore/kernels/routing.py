@@ -30,7 +30,8 @@ class EntryChunk(NamedTuple):
     `rows`: owner-local table row (target SparseCore * rows_per_shard + embedding id), -1 where
     the slot holds no entry; `outputs`: the source sample ((source device * S + source
     SparseCore) * B + sample id); `unique_slots`: t * U + k into the source device's unique
-    lists of target t; `gains`: 0 where the slot holds no entry.
+    lists of target t (meaningless when routed without the side-car); `gains`: 0 where the slot
+    holds no entry.
     """
 
     rows: Array
@@ -86,8 +87,7 @@ def route_entries(
     `entry_unique_index`, or None when only a lookup is needed)."""
     starts, ends = _partition_bounds(row_pointers, geometry)
     s, c = geometry.sparsecores_per_device, geometry.chunk
-    if entry_unique_index is None:
-        entry_unique_index = jnp.zeros_like(embedding_ids)
+    with_unique = entry_unique_index is not None
     if geometry.num_devices == 1:
 
         def read_in_place(window: Array, offset: Array) -> EntryChunk:
@@ -96,7 +96,7 @@ def route_entries(
             index = jnp.minimum(window * geometry.segment_size + position, geometry.coo_buffer_size - 1)
             return EntryChunk(
                 rows=jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
-                unique_slots=jnp.where(valid, entry_unique_index[index], 0),
+                unique_slots=jnp.where(valid, entry_unique_index[index], 0) if with_unique else position,
                 outputs=jnp.where(valid, window * geometry.batch_size_per_sparsecore + sample_ids[index], 0),
                 gains=jnp.where(valid, gains[index], 0.0),
             )
@@ -108,23 +108,24 @@ def route_entries(
     position = starts[..., :1] + jnp.arange(geometry.padded_window, dtype=jnp.int32)
     valid, target = _classify(position, starts, ends)
     index = jnp.minimum(jnp.arange(s).reshape(s, 1, 1) * geometry.segment_size + position, geometry.coo_buffer_size - 1)
-    first_partition = jnp.arange(g, dtype=jnp.int32).reshape(1, g, 1) * s * geometry.unique_rows_per_partition
     fields = [
         jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
-        jnp.where(valid, entry_unique_index[index] - first_partition, 0),
         jnp.where(valid, sample_ids[index], 0),
         lax.bitcast_convert_type(jnp.where(valid, gains[index], 0.0), jnp.int32),
     ]
+    if with_unique:
+        first_partition = jnp.arange(g, dtype=jnp.int32).reshape(1, g, 1) * s * geometry.unique_rows_per_partition
+        fields.append(jnp.where(valid, entry_unique_index[index] - first_partition, 0))
     payload = lax.all_to_all(jnp.stack(fields, axis=-1).swapaxes(0, 1), axis_name, split_axis=0, concat_axis=0)
     payload = payload.reshape(g * s, geometry.padded_window, len(fields))
     used = jnp.minimum(ends[..., -1] - starts[..., 0], geometry.padded_window).swapaxes(0, 1)
     used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0).reshape(-1)
 
     def read_received(window: Array, offset: Array) -> EntryChunk:
-        rows, unique_slots, samples, gain_bits = lax.dynamic_slice(payload, (window, offset, 0), (1, c, len(fields)))[0].T
+        rows, samples, gain_bits, *unique = lax.dynamic_slice(payload, (window, offset, 0), (1, c, len(fields)))[0].T
         return EntryChunk(
             rows=rows,
-            unique_slots=unique_slots,
+            unique_slots=unique[0] if with_unique else samples,
             outputs=jnp.where(rows >= 0, window * geometry.batch_size_per_sparsecore + samples, 0),
             gains=lax.bitcast_convert_type(gain_bits, jnp.float32),
         )

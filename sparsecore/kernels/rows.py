@@ -1,10 +1,10 @@
 """Row primitives shared by the stand-in kernels: bounded gathers and scatters of table rows,
 and the chunked gather-scale-scatter loop both the lookup and the gradient use.
 
-XLA:CPU emits a gather as a parallel loop but a scatter with repeated indices as a serial one, and
-every fresh buffer of the program page-faults in on each call (about 0.5 ms per MB on the stand-in
-machine). So the `[entries, D]` products are never materialised whole: `accumulate_rows` walks
-the entries in fixed chunks whose `[chunk, D]` temporaries stay in cache and are reused.
+On XLA:CPU the row gathers and scatters themselves are cheap, but every fresh buffer of a program
+page-faults in on each call (about 0.5 ms per MB on the stand-in machine), so materialising the
+`[entries, D]` products would cost more than the arithmetic. `accumulate_rows` walks the entries
+in fixed chunks whose `[chunk, D]` temporaries stay in cache and are reused by every loop step.
 """
 from __future__ import annotations
 

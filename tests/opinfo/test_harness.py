@@ -1,0 +1,72 @@
+"""The harness can fail: wrong values, dtypes, shapes, devices and structures are caught."""
+
+import copy
+
+import pytest
+import torch
+
+from . import harness
+
+TOL = dict(rtol=1e-4, atol=1e-5, where="case")
+
+
+def test_compare_catches_each_kind_of_difference():
+    expected = torch.tensor([1.0, 2.0])
+    on_device = expected.to(harness.DEVICE)
+    harness.compare(on_device, expected, **TOL)
+    with pytest.raises(harness.Mismatch, match="not close"):
+        harness.compare(on_device + 1e-3, expected, **TOL)
+    with pytest.raises(harness.Mismatch, match="dtype"):
+        harness.compare(on_device.double(), expected, **TOL)
+    with pytest.raises(harness.Mismatch, match="expected it on tpu"):
+        harness.compare(expected.clone(), expected, **TOL)
+    with pytest.raises(harness.Mismatch, match="structure"):
+        harness.compare((on_device,), [expected], **TOL)
+    with pytest.raises(harness.Mismatch, match="got 3"):
+        harness.compare(3, 4, **TOL)
+
+
+def test_compare_without_values_still_checks_dtype_and_shape():
+    expected = torch.zeros(2, 3)
+    harness.compare(torch.ones(2, 3, device=harness.DEVICE), expected, **TOL, values=False)
+    with pytest.raises(harness.Mismatch, match=r"\[3, 2\]"):
+        harness.compare(torch.ones(3, 2, device=harness.DEVICE), expected, **TOL, values=False)
+
+
+def _broken(name, op):
+    opinfo = copy.copy(harness.entries()[name])
+    opinfo.op = op
+    return opinfo
+
+
+def test_run_case_fails_on_a_wrong_tpu_result():
+    def off_by_one_on_tpu(x, *args, **kwargs):
+        y = torch.abs(x, *args, **kwargs)
+        return y + 1 if y.device.type == harness.DEVICE_TYPE else y
+
+    with pytest.raises(harness.Mismatch, match="abs"):
+        harness.run_case(_broken("abs", off_by_one_on_tpu), harness.FLOAT32, "strict", harness.Selection(1))
+
+
+def test_run_case_fails_on_a_wrong_gradient():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2 if grad.device.type == harness.DEVICE_TYPE else grad
+
+    with pytest.raises(harness.Mismatch, match="gradients"):
+        harness.run_case(_broken("abs", lambda x: Doubled.apply(x)), harness.GRAD, "strict", harness.Selection(1))
+
+
+def test_run_case_requires_tpu_to_reject_what_cpu_rejects():
+    def rejects_only_on_cpu(x, *args, **kwargs):
+        if x.device.type == "cpu":
+            raise RuntimeError("bad input")
+        return torch.abs(x)
+
+    with pytest.raises(harness.Mismatch, match="tpu did not raise"):
+        harness.run_case(_broken("abs", rejects_only_on_cpu), harness.FLOAT32, "strict", harness.Selection(1))

@@ -4,7 +4,8 @@ Forward: `torch.nn.EmbeddingBag` (sum, mean, weighted sum) and a NumPy model of 
 (sqrtn, weighted mean, sequence). Training, 5 steps of fresh batches with random activation
 gradients: FBGEMM's CPU table-batched embedding with fused EXACT_SGD / EXACT_ADAGRAD /
 EXACT_ROWWISE_ADAGRAD, `torch.optim.SparseAdam` over `nn.EmbeddingBag(sparse=True)` for Adam, and
-the NumPy models of `test_optimizers.py` for AdagradMomentum, FTRL, LaProp and clipping. Tables
+the NumPy models of `test_optimizers.py` for AdagradMomentum, FTRL, LaProp and clipping (with a
+sequence feature training alongside pooled ones). Tables
 and every optimizer slot must agree within 1e-5; rows no batch touched must not change at all.
 """
 from __future__ import annotations
@@ -303,7 +304,13 @@ def numpy_training(spec, setup: Setup, initial, history):
         touched = {name: np.zeros(value.shape[0], bool) for name, value in tables.items()}
         for feature in setup.features:
             name = feature.table.name
-            g, t = row_gradients(tables[name].shape, inputs[feature.name], grads[feature.name], feature.table.combiner.value)
+            ids, grad, combiner = inputs[feature.name], grads[feature.name], feature.table.combiner.value
+            if feature.is_sequence:
+                # Every position is its own output row, its weight its gain (no combiner).
+                positions = np.concatenate([np.arange(n) for n in ids.lengths]).astype(int)
+                grad = grad[np.repeat(np.arange(len(ids.lengths)), ids.lengths), positions]
+                ids, combiner = RaggedIds(ids.values, lengths=np.ones(len(ids.values), int), weights=ids.weights), "sum"
+            g, t = row_gradients(tables[name].shape, ids, grad, combiner)
             dense[name] += g
             touched[name] |= t
         for name in tables:
@@ -326,7 +333,12 @@ NUMPY_OPTIMIZERS = [
 @pytest.mark.parametrize("spec", NUMPY_OPTIMIZERS, ids=lambda s: type(s).__name__ + ("_clipped" if s.clip_gradient else ""))
 def test_training_matches_numpy_model(spec):
     tables = [TableSpec("a", 50, 8, combiner="mean", optimizer=spec), TableSpec("b", 300, 8, combiner="mean", optimizer=spec)]
-    features = [FeatureSpec("fa", tables[0], 16), FeatureSpec("fb", tables[1], 16), FeatureSpec("fa2", tables[0], 16)]
+    features = [
+        FeatureSpec("fa", tables[0], 16),
+        FeatureSpec("fb", tables[1], 16),
+        FeatureSpec("fa2", tables[0], 16),
+        FeatureSpec("sequence", tables[1], 8, max_sequence_length=4),
+    ]
     setup = make_setup(tables, features, devices=2)
     initial, history, got_tables, got_slots = train(setup, seed=30, weighted=True)
     want_tables, want_slots = numpy_training(spec, setup, initial, history)

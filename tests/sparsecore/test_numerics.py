@@ -5,8 +5,8 @@ Forward: `torch.nn.EmbeddingBag` (sum, mean, weighted sum) and a NumPy model of 
 gradients: FBGEMM's CPU table-batched embedding with fused EXACT_SGD / EXACT_ADAGRAD /
 EXACT_ROWWISE_ADAGRAD, `torch.optim.SparseAdam` over `nn.EmbeddingBag(sparse=True)` for Adam, and
 the NumPy models of `test_optimizers.py` for AdagradMomentum, FTRL, LaProp and clipping (with a
-sequence feature training alongside pooled ones). Tables
-and every optimizer slot must agree within 1e-5; rows no batch touched must not change at all.
+sequence feature training alongside pooled ones). Tables and every optimizer slot must agree
+within 1e-5; rows no batch touched must not change at all.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from jax import lax
 
 from torchtpu.ops import registry
 from torchtpu.ops.promotion import BOOL_TO_LONG, DEFAULT, INT_TO_FLOAT, NO_OPMATH, pointwise
+from torchtpu.ops.schema import signature
 
 aten = torch.ops.aten
 
@@ -49,8 +50,14 @@ def elementwise(fn: Callable) -> Callable:
 
 
 def unary(*ops, promotion=INT_TO_FLOAT) -> Callable:
-    """Register a lowering of one tensor operand `self`."""
-    return pointwise(*ops, promotion=promotion, operands=("self",))
+    """Register a lowering of one tensor operand (`self`, or `x` in some `special_*` schemas)."""
+
+    def decorator(fn: Callable) -> Callable:
+        for op in ops:
+            pointwise(op, promotion=promotion, operands=(signature(op).args[0].name,))(fn)
+        return fn
+
+    return decorator
 
 
 # --- arithmetic ----------------------------------------------------------------------------------

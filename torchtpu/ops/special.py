@@ -48,6 +48,15 @@ def _erfcx(x):
     return jnp.where(large, asymptotic, jss.erfcx(jnp.where(large, 0.0, x)))
 
 
+def _log_ndtr(x):
+    """log Phi(x) as PyTorch computes it: through erfcx below -1 (no underflow), log1p above
+    (no rounding of Phi(x) to 1)."""
+    t = x * np.sqrt(0.5).astype(x.dtype)
+    lower = x < -1
+    below = jnp.log(_erfcx(jnp.where(lower, -t, 0)) / 2) - t * t
+    return jnp.where(lower, below, jnp.log1p(-lax.erfc(jnp.where(lower, 0, t)) / 2))
+
+
 def _digamma(x):
     # psi(+-0) = -+inf (the sign of the pole's side), as PyTorch; negative integers give NaN.
     return jnp.where(x == 0, jnp.copysign(jnp.full_like(x, jnp.inf), -x), lax.digamma(x))
@@ -75,7 +84,7 @@ _FLOAT_UNARY: dict = {
     aten.special_modified_bessel_i0.default: jss.i0,
     aten.special_modified_bessel_i1.default: jss.i1,
     aten.special_ndtri.default: jss.ndtri,
-    aten.special_log_ndtr.default: jss.log_ndtr,
+    aten.special_log_ndtr.default: _log_ndtr,
     aten.special_erfcx.default: _erfcx,
     aten.special_entr.default: jss.entr,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,

@@ -151,3 +151,9 @@ def test_orthogonal_polynomials(name):
     same_as_cpu(lambda degrees: fn(0.3, degrees), n)
     # (NaN left out: PyTorch's CPU kernel for a Scalar degree returns a neighbour's value there.)
     same_as_cpu(lambda points: fn(points, 3), x[:-1])
+
+
+@pytest.mark.parametrize("name", [*UNARY, *BESSEL])
+def test_integer_inputs_promote_to_float(name):
+    fn = UNARY[name][0] if name in UNARY else BESSEL[name]
+    same_as_cpu(fn, torch.arange(-12, 13) if name not in ("erfinv", "ndtri", "logit") else torch.tensor([0, 1]))

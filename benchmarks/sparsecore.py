@@ -7,14 +7,14 @@ all 8 tables stacked into one SparseCore stack. Limits come from one warm-up pas
 
 * FBGEMM (`SplitTableBatchedEmbeddingBagsCodegen`, HOST/CPU, fp32): forward, and forward +
   backward + fused EXACT_SGD / EXACT_ROWWISE_ADAGRAD, each with torch's default thread count and
-  with one thread, keeping the faster (its backward's OpenMP regions can spin badly when the
-  cores are shared);
+  with one thread, keeping the faster (its OpenMP regions spin badly when the cores are shared);
 * the device step of `sparsecore.api.SparseCoreEmbedding` (lookup; lookup + fused update) on
   buffers already on the device;
 * host preprocessing (`sparsecore.preprocess.preprocess` + `put_batch`) of the same batch;
 
 and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, not absolute times,
-are the result: every number comes from the same run on the same machine.
+are the result: the steps of one configuration are timed interleaved (one repeat of each in turn),
+so a change in machine load hits all of them alike.
 
     .venv/bin/python -m benchmarks.sparsecore [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -44,15 +45,18 @@ IDS_PER_BAG = 20
 LEARNING_RATE = 0.01
 
 
-def median_ms(step: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `step` after one warm-up call (which compiles)."""
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall milliseconds of each step; one warm-up call each (which compiles), then
+    `repeats` rounds that run every step once."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
 def workload(rows: int, dim: int, seed: int = 0):
@@ -66,6 +70,9 @@ class Fbgemm:
     """FBGEMM's CPU TBE over the same tables and ids (the baseline)."""
 
     def __init__(self, rows: int, dim: int, optimizer: str, ids, grads) -> None:
+        # Idle OpenMP workers otherwise spin after each parallel region, stealing the cores from
+        # whichever step runs next in the interleaved timing; read when torch loads OpenMP.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import fbgemm_gpu  # noqa: F401  (registers the ops)
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -94,16 +101,18 @@ class Fbgemm:
     def train_step(self) -> None:
         self.tbe(self.indices, self.offsets).backward(self.grad)
 
-    def best_ms(self, step: Callable[[], object], repeats: int) -> float:
-        """The faster of torch's default thread count and a single thread."""
-        default = self.torch.get_num_threads()
-        times = [median_ms(step, repeats)]
-        self.torch.set_num_threads(1)
-        try:
-            times.append(median_ms(step, repeats))
-        finally:
-            self.torch.set_num_threads(default)
-        return min(times)
+    def single_threaded(self, step: Callable[[], None]) -> Callable[[], None]:
+        """`step` run with one torch thread (its OpenMP regions can spin on shared cores)."""
+
+        def run() -> None:
+            threads = self.torch.get_num_threads()
+            self.torch.set_num_threads(1)
+            try:
+                step()
+            finally:
+                self.torch.set_num_threads(threads)
+
+        return run
 
 
 class SparseCore:
@@ -140,6 +149,8 @@ class SparseCore:
 
 
 def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
+    """Rows (step, FBGEMM ms, device ms, host ms) of one configuration. FBGEMM counts as the
+    faster of torch's default thread count and one thread."""
     ids, grads = workload(rows, dim)
     results = []
     for label, fbgemm_name, spec in (
@@ -147,17 +158,24 @@ def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
         ("row-wise Adagrad", "EXACT_ROWWISE_ADAGRAD", optimizers.RowWiseAdagrad(learning_rate=LEARNING_RATE)),
     ):
         ours = SparseCore(rows, dim, spec, topology, ids, grads)
-        host = median_ms(ours.host_step, repeats)
-        if not results:
-            forward = median_ms(ours.forward, repeats)
-        train = median_ms(ours.train_step, repeats)
-        del ours
-        gc.collect()
         baseline = Fbgemm(rows, dim, fbgemm_name, ids, grads)
+        steps = {
+            "host": ours.host_step,
+            "train": ours.train_step,
+            "fbgemm train": baseline.train_step,
+            "fbgemm train 1 thread": baseline.single_threaded(baseline.train_step),
+        }
         if not results:
-            results.append(("forward", baseline.best_ms(baseline.forward, repeats), forward, host))
-        results.append((f"fwd+bwd+{label}", baseline.best_ms(baseline.train_step, repeats), train, host))
-        del baseline
+            steps.update(
+                forward=ours.forward,
+                **{"fbgemm forward": baseline.forward, "fbgemm forward 1 thread": baseline.single_threaded(baseline.forward)},
+            )
+        ms = interleaved_medians(steps, repeats)
+        if not results:
+            results.append(("forward", min(ms["fbgemm forward"], ms["fbgemm forward 1 thread"]), ms["forward"], ms["host"]))
+        fbgemm = min(ms["fbgemm train"], ms["fbgemm train 1 thread"])
+        results.append((f"fwd+bwd+{label}", fbgemm, ms["train"], ms["host"]))
+        del ours, baseline
         gc.collect()
     return results
 

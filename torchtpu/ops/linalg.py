@@ -9,9 +9,12 @@ propagate).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import jax.scipy.linalg
 import numpy as np
 import torch
+from jax.lax import linalg as lax_linalg
 
 from torchtpu import precision
 from torchtpu.ops import registry
@@ -87,3 +90,295 @@ def addbmm(ctx, self, a, b, *, beta=1, alpha=1):
 @registry.register(aten._int_mm.default)
 def int_mm(ctx, a, b):
     return precision.dot_general(a, b, _MM, ctx.precision, ctx.platform, np.int32)
+
+
+# --- factorizations and solvers ---------------------------------------------------------------
+# Through jax.lax.linalg (LAPACK on the CPU stand-in, XLA's own algorithms on a TPU), with ATen's
+# conventions: LAPACK-style LU (1-based int32 pivots) and `info` codes, lower or upper triangles
+# read as asked, batch dimensions broadcast.
+
+
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _broadcast_batch(a, b):
+    """a and b with their batch (all but the last two) dimensions broadcast together."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _first_failure(bad):
+    """LAPACK's info: 1 + the first index where `bad` holds along the last axis, else 0."""
+    if bad.shape[-1] == 0:
+        return jnp.zeros(bad.shape[:-1], np.int32)
+    index = jnp.argmax(bad, -1).astype(np.int32) + 1
+    return jnp.where(jnp.any(bad, -1), index, 0).astype(np.int32)
+
+
+def _triangular_solve(a, b, *, lower: bool, left: bool = True, transpose: bool = False,
+                      unit: bool = False):
+    a, b = _broadcast_batch(a, b)
+    return lax_linalg.triangular_solve(a, b, left_side=left, lower=lower, transpose_a=transpose,
+                                       unit_diagonal=unit)
+
+
+def _cholesky(x, upper: bool):
+    """The Cholesky factor from the lower (or, for `upper`, the upper) triangle of x."""
+    if upper:
+        return _mT(jnp.tril(lax_linalg.cholesky(_mT(x), symmetrize_input=False)))
+    return jnp.tril(lax_linalg.cholesky(x, symmetrize_input=False))
+
+
+@registry.register(aten.linalg_cholesky_ex.default)
+def linalg_cholesky_ex(ctx, x, *, upper=False, check_errors=False):
+    factor = _cholesky(x, upper)
+    # A failed factorisation leaves NaN from the first non-positive pivot on.
+    info = _first_failure(jnp.isnan(jnp.diagonal(factor, axis1=-2, axis2=-1)))
+    return factor, info
+
+
+@registry.register(aten.cholesky.default)
+def cholesky(ctx, x, upper=False):
+    return _cholesky(x, upper)
+
+
+def _cholesky_solve(b, factor, upper: bool):
+    """Solve (L L^T) X = B, or (U^T U) X = B, from the Cholesky factor."""
+    y = _triangular_solve(factor, b, lower=not upper, transpose=upper)
+    return _triangular_solve(factor, y, lower=not upper, transpose=not upper)
+
+
+@registry.register(aten._cholesky_solve_helper.default)
+def cholesky_solve_helper(ctx, b, factor, upper: bool):
+    return _cholesky_solve(b, factor, upper)
+
+
+@registry.register(aten.cholesky_inverse.default)
+def cholesky_inverse(ctx, factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return _cholesky_solve(eye, factor, upper)
+
+
+@registry.register(aten.triangular_solve.default)
+def triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangular=False):
+    solution = _triangular_solve(a, b, lower=not upper, transpose=transpose, unit=unitriangular)
+    return solution, jnp.broadcast_to(a, ctx.out_shape(1))
+
+
+@registry.register(aten.linalg_solve_triangular.default)
+def linalg_solve_triangular(ctx, a, b, *, upper, left=True, unitriangular=False):
+    return _triangular_solve(a, b, lower=not upper, left=left, unit=unitriangular)
+
+
+# LU with partial pivoting: A = P L U; `pivots` are LAPACK's (row i swapped with pivots[i] - 1).
+
+
+def _lu(a):
+    """(LU, 1-based int32 pivots, permutation, info) of a (..., m, n)."""
+    lu, pivots, permutation = lax_linalg.lu(a)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    return lu, (pivots + 1).astype(np.int32), permutation, _first_failure(diagonal == 0)
+
+
+def _check_pivot(pivot: bool, name: str) -> None:
+    if not pivot:
+        raise NotImplementedError(f"{name}: LU without pivoting is not implemented on tpu")
+
+
+def _unpack(lu, m: int, n: int):
+    """(L (m, k) unit lower, U (k, n) upper) from packed LU."""
+    k = min(m, n)
+    lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    return lower, jnp.triu(lu[..., :k, :])
+
+
+def _permutation_matrix(permutation, dtype):
+    """P with A = P L U, from the row permutation with A[permutation] = L U."""
+    return _mT(jax.nn.one_hot(permutation, permutation.shape[-1], dtype=dtype))
+
+
+@registry.register(aten.linalg_lu_factor_ex.default)
+def linalg_lu_factor_ex(ctx, a, *, pivot=True, check_errors=False):
+    _check_pivot(pivot, "linalg.lu_factor")
+    lu, pivots, _, info = _lu(a)
+    return lu, pivots, info
+
+
+@registry.register(aten.linalg_lu.default)
+def linalg_lu(ctx, a, *, pivot=True):
+    _check_pivot(pivot, "linalg.lu")
+    lu, _, permutation, _ = _lu(a)
+    lower, upper = _unpack(lu, *a.shape[-2:])
+    return _permutation_matrix(permutation, a.dtype), lower, upper
+
+
+@registry.register(aten.lu_unpack.default)
+def lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2:]
+    if unpack_data:
+        lower, upper = _unpack(lu, m, n)
+    else:
+        lower, upper = jnp.zeros(ctx.out_shape(1), lu.dtype), jnp.zeros(ctx.out_shape(2), lu.dtype)
+    if unpack_pivots:
+        permutation = lax_linalg.lu_pivots_to_permutation(pivots.astype(np.int32) - 1, m)
+        p = _permutation_matrix(permutation, lu.dtype)
+    else:
+        p = jnp.zeros(ctx.out_shape(0), lu.dtype)
+    return p, lower, upper
+
+
+def _lu_solve(lu, permutation, b, *, adjoint: bool):
+    """Solve A X = B (or A^T X = B) for A = P L U, B (..., n, k)."""
+    lu, b = _broadcast_batch(lu, b)
+    permutation = jnp.broadcast_to(permutation, lu.shape[:-1])
+    if not adjoint:
+        b = jnp.take_along_axis(b, permutation[..., None], -2)
+        y = lax_linalg.triangular_solve(lu, b, left_side=True, lower=True, unit_diagonal=True)
+        return lax_linalg.triangular_solve(lu, y, left_side=True, lower=False)
+    y = lax_linalg.triangular_solve(lu, b, left_side=True, lower=False, transpose_a=True)
+    y = lax_linalg.triangular_solve(lu, y, left_side=True, lower=True, transpose_a=True,
+                                    unit_diagonal=True)
+    inverse = jnp.argsort(permutation, -1)
+    return jnp.take_along_axis(y, inverse[..., None], -2)
+
+
+def _solve(lu, permutation, b, *, left: bool, adjoint: bool):
+    if left:
+        return _lu_solve(lu, permutation, b, adjoint=adjoint)
+    # X A = B  <=>  A^T X^T = B^T.
+    return _mT(_lu_solve(lu, permutation, _mT(b), adjoint=not adjoint))
+
+
+@registry.register(aten.linalg_lu_solve.default)
+def linalg_lu_solve(ctx, lu, pivots, b, *, left=True, adjoint=False):
+    permutation = lax_linalg.lu_pivots_to_permutation(pivots.astype(np.int32) - 1, lu.shape[-1])
+    return _solve(lu, permutation, b, left=left, adjoint=adjoint)
+
+
+@registry.register(aten._linalg_solve_ex.default)
+def linalg_solve_ex(ctx, a, b, *, left=True, check_errors=False):
+    lu, pivots, permutation, info = _lu(a)
+    # B is a (batch of) vector(s) when it has one dimension less than A, as ATen decides.
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    rhs = b[..., :, None] if vector and left else (b[..., None, :] if vector else b)
+    x = _solve(lu, permutation, rhs, left=left, adjoint=False)
+    x = x[..., 0] if vector and left else (x[..., 0, :] if vector else x)
+    return x, lu, pivots, info
+
+
+@registry.register(aten.linalg_inv_ex.default)
+def linalg_inv_ex(ctx, a, *, check_errors=False):
+    lu, _, permutation, info = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, permutation, eye, adjoint=False), info
+
+
+def _pivot_sign(pivots, dtype):
+    """(-1)^(number of row swaps)."""
+    swaps = jnp.sum(pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=pivots.dtype), -1)
+    return jnp.where(swaps % 2 == 0, 1, -1).astype(dtype)
+
+
+@registry.register(aten._linalg_det.default)
+def linalg_det(ctx, a):
+    lu, pivots, _, _ = _lu(a)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    return _pivot_sign(pivots, a.dtype) * jnp.prod(diagonal, -1), lu, pivots
+
+
+@registry.register(aten._linalg_slogdet.default)
+def linalg_slogdet(ctx, a):
+    lu, pivots, _, _ = _lu(a)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    sign = _pivot_sign(pivots, a.dtype) * jnp.prod(jnp.sign(diagonal), -1)
+    return sign, jnp.sum(jnp.log(jnp.abs(diagonal)), -1), lu, pivots
+
+
+# --- orthogonal factorizations and spectra ----------------------------------------------------
+
+
+@registry.register(aten.linalg_qr.default)
+def linalg_qr(ctx, a, mode="reduced"):
+    q, r = lax_linalg.qr(a, full_matrices=mode == "complete")
+    if mode == "r":
+        return jnp.zeros(ctx.out_shape(0), a.dtype), r
+    return q, r
+
+
+@registry.register(aten.geqrf.default)
+def geqrf(ctx, a):
+    # jnp.linalg.qr's "raw" mode is LAPACK's geqrf, with the reflectors transposed.
+    reflectors, tau = jnp.linalg.qr(a, mode="raw")
+    return _mT(reflectors), tau
+
+
+@registry.register(aten.linalg_householder_product.default)
+def householder_product(ctx, reflectors, tau):
+    return lax_linalg.householder_product(reflectors, tau)
+
+
+@registry.register(aten.ormqr.default)
+def ormqr(ctx, reflectors, tau, other, left=True, transpose=False):
+    return lax_linalg.ormqr(reflectors, tau, other, left=left, transpose=transpose)
+
+
+@registry.register(aten._linalg_eigh.default)
+def linalg_eigh(ctx, a, UPLO="L", compute_v=True):
+    vectors, values = lax_linalg.eigh(a, lower=UPLO == "L", symmetrize_input=False)
+    if not compute_v:
+        return values, jnp.zeros(ctx.out_shape(1), a.dtype)
+    return values, vectors
+
+
+@registry.register(aten._linalg_svd.default)
+def linalg_svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
+    if not compute_uv:
+        s = lax_linalg.svd(a, full_matrices=False, compute_uv=False)
+        return jnp.zeros(ctx.out_shape(0), a.dtype), s, jnp.zeros(ctx.out_shape(2), a.dtype)
+    return tuple(lax_linalg.svd(a, full_matrices=full_matrices, compute_uv=True))
+
+
+@registry.register(aten.linalg_matrix_exp.default)
+def linalg_matrix_exp(ctx, a):
+    # The scaling-and-squaring products run at full precision: a solver's inner products
+    # are not the user's matmuls, and bf16 passes would ruin the series.
+    with jax.default_matmul_precision("highest"):
+        return jax.scipy.linalg.expm(a)
+
+
+@registry.register_data_dependent(aten.linalg_lstsq.default)
+def linalg_lstsq(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *,
+                 driver: str | None = None):
+    """Least squares through the SVD (the minimum-norm solution, as gelsd/gelss give; gelsy and
+    gels agree with it on full-rank problems). Which outputs are filled follows the driver, as
+    on CPU; the residuals exist only when every matrix has full column rank, a fact of the
+    values: that is the one host read. Products run at `highest` precision -- they are inner
+    steps of a solver, not the caller's matmuls."""
+    driver = driver or "gelsy"
+    if driver not in ("gels", "gelsy", "gelsd", "gelss"):
+        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of "
+                           f"(gels, gelsy, gelsd, gelss), but got {driver}")
+    m, n = a.shape[-2:]
+    vector = b.dim() == a.dim() - 1
+    rhs = b.unsqueeze(-1) if vector else b
+    with precision.precision("highest"):
+        u, s, vh = torch.ops.aten._linalg_svd(a, False, True)
+        if rcond is None or rcond < 0:
+            rcond = torch.finfo(a.dtype).eps * max(m, n)
+        kept = s > rcond * s[..., :1]
+        inverse = torch.where(kept, 1 / torch.where(kept, s, 1), 0)
+        solution = vh.mT @ (inverse.unsqueeze(-1) * (u.mT @ rhs))
+        rank = kept.sum(-1)
+        empty = a.new_empty(0)
+        residuals = empty
+        if driver != "gelsy" and m > n and bool((rank == n).all()):
+            residuals = ((a @ solution - rhs) ** 2).sum(-2)
+            residuals = residuals.squeeze(-1) if vector else residuals
+    solution = solution.squeeze(-1) if vector else solution
+    return (
+        solution,
+        residuals,
+        rank if driver != "gels" else a.new_empty(0, dtype=torch.int64),
+        s if driver in ("gelsd", "gelss") else empty,
+    )

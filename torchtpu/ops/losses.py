@@ -179,9 +179,12 @@ def binary_cross_entropy_with_logits(ctx, x, target, weight=None, pos_weight=Non
 # --- margin losses ----------------------------------------------------------------------------
 
 
-def _as_batch(x, target):
-    """A single sample (C,) with a 0-dim target as a batch of one."""
-    return (x[None], target.reshape(1)) if x.ndim == 1 else (x, target)
+def _as_batch(x, target, target_dims: int):
+    """A single sample (C,) or a 0-dim input (one class) as a batch of one; the target gets
+    `target_dims` dims (1 for class indices, 2 for multilabel lists)."""
+    if x.ndim <= 1:
+        return x.reshape(1, -1), target.reshape((1,) + (-1,) * (target_dims - 1))
+    return x, target
 
 
 def _multi_margin_terms(x, target, p: int, margin: float, weight):
@@ -204,7 +207,7 @@ def _multi_margin_terms(x, target, p: int, margin: float, weight):
 @registry.register(aten.multi_margin_loss.default)
 def multi_margin_loss(ctx, x, target, p=1, margin=1, weight=None, reduction: int = MEAN):
     x, weight = _compute(ctx, x, weight)
-    x, target = _as_batch(x, target)
+    x, target = _as_batch(x, target, 1)
     hinge, _, _ = _multi_margin_terms(x, target, p, margin, weight)
     loss = jnp.sum(hinge, -1)
     # Unreduced, the loss takes the target's shape (a 0-dim target for a single sample).
@@ -216,7 +219,7 @@ def multi_margin_loss_backward(ctx, grad, x, target, p, margin, weight=None,
                                reduction: int = MEAN):
     shape = x.shape
     grad, x, weight = _compute(ctx, grad, x, weight)
-    x, target = _as_batch(x, target)
+    x, target = _as_batch(x, target, 1)
     _, slope, onehot = _multi_margin_terms(x, target, p, margin, weight)
     dx = slope - onehot * jnp.sum(slope, -1, keepdims=True)
     g = grad / x.shape[0] if reduction == MEAN else grad
@@ -239,9 +242,8 @@ def _multilabel_terms(x, target):
 
 @registry.register(aten.multilabel_margin_loss_forward.default)
 def multilabel_margin_loss_forward(ctx, x, target, reduction: int):
-    single = x.ndim == 1
     (x,) = _compute(ctx, x)
-    x2, t2 = (x[None], target[None]) if single else (x, target)
+    x2, t2 = _as_batch(x, target, 2)
     is_target, hinge, _, _ = _multilabel_terms(x2, t2)
     loss = jnp.sum(hinge, (-2, -1)) / x2.shape[-1]
     # Unreduced, a single sample's loss takes the shape PyTorch's meta kernel gives it: (1,),
@@ -252,15 +254,14 @@ def multilabel_margin_loss_forward(ctx, x, target, reduction: int):
 
 @registry.register(aten.multilabel_margin_loss_backward.default)
 def multilabel_margin_loss_backward(ctx, grad, x, target, reduction: int, is_target):
-    single = x.ndim == 1
     grad, x = _compute(ctx, grad, x)
-    x2, t2 = (x[None], target[None]) if single else (x, target)
+    x2, t2 = _as_batch(x, target, 2)
     _, _, active, onehot = _multilabel_terms(x2, t2)
     # d/dx[j] = sum_k active[k, j]; d/dx[t_k] = -sum_j active[k, j]; all over C.
     dx = jnp.sum(active, -2) - jnp.sum(onehot * jnp.sum(active, -1)[..., None], -2)
     dx = dx / x2.shape[-1]
     g = grad / x2.shape[0] if reduction == MEAN else grad
-    g = g.reshape(-1, 1) if reduction == NONE and not single else g
+    g = g.reshape(-1, 1) if reduction == NONE else g
     return (dx * g).reshape(x.shape)
 
 

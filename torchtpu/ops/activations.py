@@ -112,6 +112,12 @@ def rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generat
     return out
 
 
+@registry.register_data_dependent(aten.rrelu_with_noise_.default)
+def rrelu_with_noise_(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """In place on `x` too (its functional form is `rrelu_with_noise`, itself mutating)."""
+    return x.copy_(rrelu_with_noise(x, noise, lower, upper, training, generator))
+
+
 @gradient(aten.rrelu_with_noise_backward.default, operands=("grad_output", "self", "noise"))
 def rrelu_with_noise_backward(ctx, grad, x, noise, lower, upper, training, self_is_result):
     slope = jnp.where(x > 0, jnp.ones_like(grad), _like((lower + upper) / 2, grad))

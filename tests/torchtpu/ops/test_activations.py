@@ -168,6 +168,10 @@ def test_rrelu_training_draws_slopes_and_backpropagates_them():
     torch.testing.assert_close(x.grad.cpu(), slope)  # d(x * slope)/dx = the drawn slope
     evaluation = F.rrelu(x.detach(), 0.1, 0.3, training=False)
     torch.testing.assert_close(evaluation.cpu(), F.leaky_relu(x.detach().cpu(), 0.2))
+    inplace = x.detach().clone()
+    assert F.rrelu_(inplace, 0.1, 0.3, training=True) is inplace
+    drawn = (inplace / x.detach()).cpu()
+    assert drawn[negative].min() >= 0.1 and drawn[negative].max() <= 0.3
 
 
 def test_changing_hyperparameters_does_not_recompile():

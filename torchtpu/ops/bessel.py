@@ -59,18 +59,22 @@ def _hankel_coefficients(order: int, terms: int = 12) -> list[float]:
     return coefficients
 
 
+def _alternating_halves(coefficients: list[float], t):
+    """(c0 - c2 t^2 + c4 t^4 - ..., c1 t - c3 t^3 + ...): the two halves of an asymptotic series
+    in t with alternating signs, as Hankel's and Airy's expansions split them."""
+    p, q, power = jnp.zeros_like(t), jnp.zeros_like(t), jnp.ones_like(t)
+    for k, c in enumerate(coefficients):
+        term = (-1.0 if (k // 2) % 2 else 1.0) * c * power
+        p, q = (p + term, q) if k % 2 == 0 else (p, q + term)
+        power = power * t
+    return p, q
+
+
 def _hankel(x, order: int):
     """(J_order(x), Y_order(x)) for large |x|, by Hankel's expansions:
     sqrt(2 / (pi x)) (P cos chi - Q sin chi) and (P sin chi + Q cos chi), chi = x - (order/2 + 1/4) pi."""
     x = jnp.maximum(jnp.abs(x), _ASYMPTOTIC_FROM)
-    p, q, power = jnp.zeros_like(x), jnp.zeros_like(x), jnp.ones_like(x)
-    for k, a in enumerate(_hankel_coefficients(order)):
-        sign = -1.0 if (k // 2) % 2 else 1.0
-        if k % 2 == 0:
-            p = p + sign * a * power
-        else:
-            q = q + sign * a * power
-        power = power / x
+    p, q = _alternating_halves(_hankel_coefficients(order), 1 / x)
     # cos/sin of chi from those of x: subtracting the phase from a large float32 x would round.
     phase = (order / 2 + 0.25) * math.pi
     cos_x, sin_x = jnp.cos(x), jnp.sin(x)
@@ -212,20 +216,19 @@ def _airy_taylor(x):
     return total
 
 
+# u_k = (2k+1)(2k+3)...(6k-1) / (216^k k!), the coefficients of Ai's expansions (A&S 10.4.59).
+_AIRY_ASYMPTOTIC = [1.0]
+for _k in range(1, 12):
+    _AIRY_ASYMPTOTIC.append(
+        _AIRY_ASYMPTOTIC[-1] * (6 * _k - 5) * (6 * _k - 3) * (6 * _k - 1) / ((2 * _k - 1) * 216 * _k)
+    )
+
+
 def _airy_asymptotic_negative(x):
     """Ai(-z) ~ (sin(zeta + pi/4) P - cos(zeta + pi/4) Q) / (sqrt(pi) z^(1/4)), zeta = 2/3 z^(3/2)."""
     z = jnp.maximum(-x, 8.0)
     zeta = 2 / 3 * z * jnp.sqrt(z)
-    p, q, power, u = jnp.zeros_like(z), jnp.zeros_like(z), jnp.ones_like(z), 1.0
-    for k in range(12):
-        if k > 0:
-            u *= (6 * k - 5) * (6 * k - 3) * (6 * k - 1) / ((2 * k - 1) * 216 * k)
-        sign = -1.0 if (k // 2) % 2 else 1.0
-        if k % 2 == 0:
-            p = p + sign * u * power
-        else:
-            q = q + sign * u * power
-        power = power / zeta
+    p, q = _alternating_halves(_AIRY_ASYMPTOTIC, 1 / zeta)
     angle = zeta + math.pi / 4
     return (jnp.sin(angle) * p - jnp.cos(angle) * q) / (math.sqrt(math.pi) * jnp.sqrt(jnp.sqrt(z)))
 

@@ -194,7 +194,16 @@ def _is_written(op: OpOverload, args, kwargs, tensor, written_names) -> bool:
 
 # --- registration -------------------------------------------------------------------------------
 
-_VIEW_OPS = (aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default)
+# Views whose PyTorch kernels are per-backend: on tpu they redispatch to the CPU kernels, which
+# only set sizes, strides and offset over the shared storage. (Every other view is composite and
+# never reaches the backend in eager mode; compiled graphs use the registry's lowerings.)
+_VIEW_OPS = (
+    aten.view.default,
+    aten.as_strided.default,
+    aten.as_strided_.default,
+    aten._reshape_alias.default,
+    aten.unfold.default,
+)
 
 _MEMORY_KERNELS = {
     aten.empty.memory_format: memory.empty_memory_format,
@@ -228,6 +237,12 @@ def _is_composite_implicit(op: OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
+def _returns_alias(op: OpOverload) -> bool:
+    """A view: its output aliases an input. In eager mode views only change metadata, so their
+    lowerings (which compute a value) must never become their tpu kernels."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
 def register_all() -> None:
     """Install the PrivateUse1 kernels for every lowered op, the view and memory ops, and the
     fallback. Called once when torchtpu is imported (and again after new lowerings register)."""
@@ -238,7 +253,7 @@ def register_all() -> None:
     for op, kernel in registry.data_dependent_ops().items():
         _register(op, kernel)
     for op in registry.lowered_ops():
-        if op in _MEMORY_KERNELS or _is_composite_implicit(op):
+        if op in _MEMORY_KERNELS or _is_composite_implicit(op) or _returns_alias(op):
             continue
         _register(op, _lowered_kernel(op))
         for variant in _variants(op):

@@ -178,6 +178,8 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
         if kind is ArgKind.TENSOR:
             encoded.append(tensor(v))
         elif kind is ArgKind.TENSOR_LIST:
+            if v is not None and arg.name == "indices":
+                v = values[len(encoded)] = _indices_on_device(v, call.device)
             encoded.append(None if v is None else tuple(tensor(t) for t in v))
         elif kind is ArgKind.SCALAR:
             # A Scalar left at its default (`alpha=1`) stays static: the lowering can then skip it.
@@ -194,6 +196,19 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
         call.dynamic.append(tpu_random.next_key_words(call.device))
     call.key = (op, precision.get_mode(), call.device, tuple(call.storages), tuple(encoded))
     return call
+
+
+def _indices_on_device(indices, device: int | None) -> list:
+    """Advanced-indexing index tensors may live on the CPU (as with CUDA tensors): copy them to
+    the indexed tensor's device."""
+    from torchtpu.exec import memory
+
+    if device is None:
+        return list(indices)
+    return [
+        memory.from_host(t, device) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
+        for t in indices
+    ]
 
 
 def current_device() -> int:

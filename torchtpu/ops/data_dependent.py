@@ -54,6 +54,15 @@ def masks_to_indices(indices) -> list:
     return expanded
 
 
+@registry.register_data_dependent(aten.index.Tensor)
+def index(x: torch.Tensor, indices) -> torch.Tensor:
+    """`x[indices]` in eager mode: boolean masks become coordinates (one host read per mask),
+    then the static-shape lowering of `index.Tensor` runs."""
+    from torchtpu.exec.kernels import execute
+
+    return execute(aten.index.Tensor, (x, masks_to_indices(indices)), {})
+
+
 @registry.register_data_dependent(aten.masked_select.default)
 def masked_select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype != torch.bool:

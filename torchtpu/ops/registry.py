@@ -43,7 +43,7 @@ def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = Fal
         for op in ops:
             if not isinstance(op, OpOverload):
                 raise TypeError(f"register() takes OpOverloads, got {op!r}")
-            if op in _LOWERINGS or op in _DATA_DEPENDENT:
+            if op in _LOWERINGS:
                 raise ValueError(f"{op} already has a lowering ({_LOWERINGS[op].fn.__qualname__})")
             _LOWERINGS[op] = Lowering(op, fn, dynamic_scalars, random)
         return fn
@@ -57,12 +57,16 @@ _DATA_DEPENDENT: dict[OpOverload, Callable[..., Any]] = {}
 def register_data_dependent(*ops: OpOverload):
     """Decorator for ops whose output shape depends on values (`nonzero`, `unique`, boolean
     masks): `fn(*args, **kwargs)` takes and returns `tpu` torch tensors, reads the size it needs
-    to the host (one sync), and finishes with ops of static shape, e.g. `nonzero_static`."""
+    to the host (one sync), and finishes with ops of static shape, e.g. `nonzero_static`.
+
+    The eager executors call `fn`. An op may also have a lowering (e.g. `index.Tensor`, whose
+    integer-index form has a static shape): compiled graphs, where values are never data
+    dependent, use that."""
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
-            if op in _DATA_DEPENDENT or op in _LOWERINGS:
-                raise ValueError(f"{op} is already registered")
+            if op in _DATA_DEPENDENT:
+                raise ValueError(f"{op} already has a data-dependent kernel ({_DATA_DEPENDENT[op].__qualname__})")
             _DATA_DEPENDENT[op] = fn
         return fn
 

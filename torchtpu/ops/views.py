@@ -134,8 +134,8 @@ def scatter_into_view(view: Callable, x, src):
 
 
 # --- registrations --------------------------------------------------------------------------------
-# The view overloads registered here are the ones whose eager kernels stay PyTorch's metadata
-# kernels (`kernels._VIEW_OPS`); every other view is registered through its `*_copy` overload.
+# Views and their `*_copy` forms share one body. A view's lowering is what compiled graphs and
+# decompositions use; in eager mode a view only changes metadata (`kernels._returns_alias`).
 
 
 @registry.register(
@@ -148,12 +148,19 @@ def scatter_into_view(view: Callable, x, src):
     aten.squeeze_copy.dim,
     aten.squeeze_copy.dims,
     aten.unsqueeze_copy.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
 )
 def reshape(ctx, x, *shape_args):
     return x.reshape(ctx.out_shape())
 
 
-@registry.register(aten.alias_copy.default, aten.detach_copy.default, aten.lift_fresh_copy.default)
+@registry.register(
+    aten.alias.default, aten.alias_copy.default, aten.detach.default, aten.detach_copy.default,
+    aten.lift_fresh_copy.default,
+)
 def identity(ctx, x):
     return x
 
@@ -174,39 +181,39 @@ def view_dtype(ctx, x, dtype):
     return out.astype(target)
 
 
-@registry.register(aten.permute_copy.default)
+@registry.register(aten.permute.default, aten.permute_copy.default)
 def permute(ctx, x, dims):
     return jnp.transpose(x, [canonical_dim(d, x.ndim) for d in dims])
 
 
-@registry.register(aten.transpose_copy.int)
+@registry.register(aten.transpose.int, aten.transpose_copy.int)
 def transpose(ctx, x, dim0, dim1):
     if x.ndim == 0:
         return x
     return jnp.swapaxes(x, canonical_dim(dim0, x.ndim), canonical_dim(dim1, x.ndim))
 
 
-@registry.register(aten.t_copy.default)
+@registry.register(aten.t.default, aten.t_copy.default)
 def t(ctx, x):
     return x.T
 
 
-@registry.register(aten.expand_copy.default)
+@registry.register(aten.expand.default, aten.expand_copy.default)
 def expand(ctx, x, size, implicit=False):
     return jnp.broadcast_to(x, ctx.out_shape())
 
 
-@registry.register(aten.slice_copy.Tensor)
+@registry.register(aten.slice.Tensor, aten.slice_copy.Tensor)
 def slice_(ctx, x, dim=0, start=None, end=None, step=1):
     return slice_dim(x, dim, start, end, step)
 
 
-@registry.register(aten.select_copy.int)
+@registry.register(aten.select.int, aten.select_copy.int)
 def select_(ctx, x, dim, index):
     return select(x, dim, index)
 
 
-@registry.register(aten.diagonal_copy.default)
+@registry.register(aten.diagonal.default, aten.diagonal_copy.default)
 def diagonal_(ctx, x, offset=0, dim1=0, dim2=1):
     return diagonal(x, offset, dim1, dim2)
 
@@ -221,18 +228,18 @@ def as_strided_(ctx, x, size, stride, storage_offset=None):
     return as_strided(x, ctx.arg("self"), size, stride, storage_offset)
 
 
-@registry.register(aten.split_with_sizes_copy.default)
+@registry.register(aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
 def split_with_sizes_(ctx, x, split_sizes, dim=0):
     return split_with_sizes(x, split_sizes, dim)
 
 
-@registry.register(aten.split_copy.Tensor)
+@registry.register(aten.split.Tensor, aten.split_copy.Tensor)
 def split(ctx, x, split_size, dim=0):
     dim = canonical_dim(dim, x.ndim)
     return split_with_sizes(x, [part.shape[dim] for part in ctx.meta_out], dim)
 
 
-@registry.register(aten.unbind_copy.int)
+@registry.register(aten.unbind.int, aten.unbind_copy.int)
 def unbind(ctx, x, dim=0):
     dim = canonical_dim(dim, x.ndim)
     return [select(x, dim, i) for i in range(x.shape[dim])]

@@ -133,13 +133,15 @@ def test_index(name):
         same_as_cpu(INDEXING[name], x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: aten.index.Tensor with a bool mask reaches the lowered kernel, whose meta call "
-    "needs nonzero; the registry refuses a data-dependent kernel for an op that has a lowering",
-)
 def test_index_with_bool_mask():
     same_as_cpu(lambda x, m: x[m], X, X[..., 0] > 0)
+
+
+def test_cpu_index_tensors_are_accepted():
+    # As with CUDA tensors, advanced indices may stay on the CPU.
+    idx = torch.tensor([1, 0])
+    same_as_cpu(lambda x: x[idx], X)
+    same_as_cpu(lambda x: x[X[..., 0] > 0], X)
 
 
 def _put(indices, values, accumulate=False):

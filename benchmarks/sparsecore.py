@@ -175,7 +175,7 @@ def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
             results.append(("forward", min(ms["fbgemm forward"], ms["fbgemm forward 1 thread"]), ms["forward"], ms["host"]))
         fbgemm = min(ms["fbgemm train"], ms["fbgemm train 1 thread"])
         results.append((f"fwd+bwd+{label}", fbgemm, ms["train"], ms["host"]))
-        del ours, baseline
+        del ours, baseline, steps  # free both copies of the tables before the next pair
         gc.collect()
     return results
 

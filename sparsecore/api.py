@@ -35,6 +35,7 @@ from sparsecore.kernels import KernelGeometry, LocalKernels, local_kernels, work
 from sparsecore.layout import StackedTable, physical_row_ids, stack_and_shard, unshard_and_unstack
 from sparsecore.optimizers import STEP
 from sparsecore.preprocess import PackedBatch, buffer_sizes
+from sparsecore.spec import TableSpec
 from sparsecore.topology import Topology
 
 Array = jax.Array
@@ -97,34 +98,36 @@ class SparseCoreEmbedding:
         self.update_program = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
         """`update_fn` jitted with tables, slots and workspaces donated: what `update` runs."""
         self._workspaces: dict[str, Array] | None = None
-        self._stack_initializers: dict[str, Callable[[list[Array], list[Array]], Array]] = {}
+        self._table_initializers: dict[str, Callable[[Array, Array, Array], Array]] = {}
 
     # ----------------------------------------------------------------------------- state
 
     def init(self, key: Array) -> tuple[Tables, Slots]:
         """Tables from each `TableSpec.initializer` (padding rows zero) and fresh optimizer
-        state, created directly sharded on the mesh, one stacked table at a time."""
+        state, created directly sharded on the mesh. Tables are written one at a time into their
+        donated stack, so the peak memory is one stack plus one table's initial values."""
         tables = {}
         index = 0
         for name, stack in self.stacks.items():
-            keys = [jax.random.fold_in(key, index + i) for i in range(len(stack.tables))]
-            rows = [jnp.asarray(physical_row_ids(stack, p.table.name), jnp.int32) for p in stack.tables]
-            if name not in self._stack_initializers:
-                self._stack_initializers[name] = self._stack_initializer(stack)
-            tables[name] = self._stack_initializers[name](keys, rows)
-            index += len(stack.tables)
+            shape = (stack.num_sparsecores * stack.rows_per_shard, stack.embedding_dim)
+            table = jax.jit(functools.partial(jnp.zeros, shape, jnp.float32), out_shardings=self._sharded)()
+            for placement in stack.tables:
+                rows = jnp.asarray(physical_row_ids(stack, placement.table.name), jnp.int32)
+                table = self._table_initializer(placement.table)(table, jax.random.fold_in(key, index), rows)
+                index += 1
+            tables[name] = table
         return tables, self.init_slots()
 
-    def _stack_initializer(self, stack: StackedTable) -> Callable[[list[Array], list[Array]], Array]:
-        def build(keys: list[Array], rows: list[Array]) -> Array:
-            table = jnp.zeros((stack.num_sparsecores * stack.rows_per_shard, stack.embedding_dim), jnp.float32)
-            for placement, key, physical in zip(stack.tables, keys, rows):
-                spec = placement.table
-                values = spec.initializer(key, (spec.vocabulary_size, spec.embedding_dim), jnp.float32)
-                table = table.at[physical, : spec.embedding_dim].set(values, unique_indices=True)
-            return table
+    def _table_initializer(self, spec: TableSpec) -> Callable[[Array, Array, Array], Array]:
+        """`(stack, key, physical rows) -> stack` with the table's initial values in its rows."""
+        if spec.name not in self._table_initializers:
 
-        return jax.jit(build, out_shardings=self._sharded)
+            def write(stack: Array, key: Array, rows: Array) -> Array:
+                values = spec.initializer(key, (spec.vocabulary_size, spec.embedding_dim), jnp.float32)
+                return stack.at[rows, : spec.embedding_dim].set(values, unique_indices=True)
+
+            self._table_initializers[spec.name] = jax.jit(write, donate_argnums=0, out_shardings=self._sharded)
+        return self._table_initializers[spec.name]
 
     def init_slots(self) -> Slots:
         """Every stack's optimizer slots at their initial values, and a step count of 0."""

@@ -12,12 +12,13 @@ a fixed random cotangent, `torch.autograd.grad`), or the in-place variant's forw
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 os.environ["TORCHTPU_STRICT_OPS"] = "1"
 
@@ -26,7 +27,7 @@ import torchtpu  # noqa: E402
 from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride  # noqa: E402
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo, SampleInput  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 from torchtpu.exec import modes  # noqa: E402
 from torchtpu.exec.kernels import StrictOpsError  # noqa: E402
 
@@ -180,7 +181,7 @@ class Selection:
     limit: int | None = None
     budget_s: float | None = None
 
-    def pick(self, samples: Iterable[SampleInput]) -> Iterator[tuple[int, SampleInput]]:
+    def pick(self, samples: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         start = time.perf_counter()
         for index, sample in enumerate(samples):
             if self.limit is not None and index >= self.limit:
@@ -193,12 +194,34 @@ class Selection:
 ALL_SAMPLES = Selection()
 
 
-def _walk(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_walk(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _walk(v, fn) for k, v in value.items()}
-    return fn(value)
+def _leaves(sample: SampleInput) -> tuple[list[Any], Any]:
+    return tree_flatten((sample.input, sample.args, sample.kwargs))
+
+
+def _tensors(sample: SampleInput) -> list[torch.Tensor]:
+    return [leaf for leaf in _leaves(sample)[0] if isinstance(leaf, torch.Tensor)]
+
+
+class Placement(NamedTuple):
+    """Of a sample's `n_leaves` leaves (input, args, kwargs flattened), those the OpInfo creates
+    on CPU whatever device it generates samples for."""
+
+    n_leaves: int
+    cpu_only: frozenset[int]
+
+
+def cpu_placements(opinfo: OpInfo, dtype: torch.dtype, requires_grad: bool) -> Iterator[Placement | None]:
+    """Per sample, in order, its `Placement` (`tensor_split`'s index tensor must be on CPU, on
+    CUDA as here), found by generating the samples for the meta device; None where that fails."""
+    try:
+        for sample in opinfo.sample_inputs("meta", dtype, requires_grad=requires_grad):
+            leaves = _leaves(sample)[0]
+            yield Placement(len(leaves), frozenset(
+                i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+            ))
+    except Exception:  # noqa: BLE001 -- a sample function that cannot run on meta: move all
+        pass
+    yield from itertools.repeat(None)
 
 
 def _to_device(value: Any) -> Any:
@@ -213,20 +236,16 @@ def _to_device(value: Any) -> Any:
     return value
 
 
-def to_device(sample: SampleInput) -> SampleInput:
-    return SampleInput(
-        _walk(sample.input, _to_device),
-        args=_walk(sample.args, _to_device),
-        kwargs=_walk(sample.kwargs, _to_device),
-        output_process_fn_grad=sample.output_process_fn_grad,
-        broadcasts_input=sample.broadcasts_input,
-        name=sample.name,
-    )
-
-
-def _tensors(sample: SampleInput) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+def to_device(sample: SampleInput, placement: Placement | None = None) -> SampleInput:
+    """The sample for the `tpu` run: every leaf moved (`_to_device`), except the CPU-only ones of
+    `placement`, which stay CPU copies."""
+    leaves, spec = _leaves(sample)
+    keep = placement.cpu_only if placement is not None and placement.n_leaves == len(leaves) else ()
+    moved = [leaf.detach().clone().requires_grad_(leaf.requires_grad) if i in keep else _to_device(leaf)
+             for i, leaf in enumerate(leaves)]
+    input, args, kwargs = tree_unflatten(moved, spec)
+    return SampleInput(input, args=args, kwargs=kwargs, output_process_fn_grad=sample.output_process_fn_grad,
+                       broadcasts_input=sample.broadcasts_input, name=sample.name)
 
 
 def unsupported_sample(sample: SampleInput) -> str | None:
@@ -244,8 +263,8 @@ def describe(index: int, sample: SampleInput) -> str:
             return f"Tensor{list(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
         return value
 
-    text = (f"sample {index} {sample.name!r}: input={_walk(sample.input, meta)} "
-            f"args={_walk(sample.args, meta)} kwargs={_walk(sample.kwargs, meta)}")
+    input, args, kwargs = tree_map(meta, (sample.input, sample.args, sample.kwargs))
+    text = f"sample {index} {sample.name!r}: input={input} args={args} kwargs={kwargs}"
     return text if len(text) <= 400 else text[:400] + "..."
 
 
@@ -373,9 +392,12 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
     if undefined is not None and check.kind == "grad":
         result.skip(f"gradients not compared: {undefined}")
         return result
-    samples = opinfo.sample_inputs("cpu", check.dtype, requires_grad=check.kind == "grad")
+    requires_grad = check.kind == "grad"
+    torch.manual_seed(zlib.crc32(name.encode()))  # the same samples whatever ran before
+    samples = zip(opinfo.sample_inputs("cpu", check.dtype, requires_grad=requires_grad),
+                  cpu_placements(opinfo, check.dtype, requires_grad))
     runner = {"forward": _forward, "grad": _grad, "inplace": _inplace}[check.kind]
-    for index, sample in selection.pick(samples):
+    for index, (sample, placement) in selection.pick(samples):
         reason = unsupported_sample(sample)
         if reason is not None:
             result.skip(reason)
@@ -383,7 +405,8 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
         comparison = Comparison(rtol, atol, undefined is None, f"{name} [{check.name}, {mode}] {describe(index, sample)}")
         before = torchtpu.metrics().get("decomposed_ops", {})
         with torchtpu.eager_mode(mode), torch.tpu.precision("highest"):
-            reason = runner(opinfo, sample, comparison, zlib.crc32(f"{name}/{index}".encode()))
+            reason = runner(opinfo, sample, to_device(sample, placement), comparison,
+                            zlib.crc32(f"{name}/{index}".encode()))
         if reason is not None:
             result.skip(reason)
             continue
@@ -393,8 +416,8 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
     return result
 
 
-def _forward(opinfo: OpInfo, sample: SampleInput, assert_same: Comparison, seed: int) -> str | None:
-    device_sample = to_device(sample)  # before the CPU run: some ops mutate their inputs
+def _forward(opinfo: OpInfo, sample: SampleInput, device_sample: SampleInput, assert_same: Comparison,
+             seed: int) -> str | None:
     expected, cpu_error = _run(lambda: opinfo(sample.input, *sample.args, **sample.kwargs))
     actual, error = _run(lambda: opinfo(device_sample.input, *device_sample.args, **device_sample.kwargs))
     if cpu_error is not None:
@@ -422,8 +445,8 @@ def _vjp(opinfo: OpInfo, sample: SampleInput, seed: int, device: str | None):
     return outputs, grads
 
 
-def _grad(opinfo: OpInfo, sample: SampleInput, assert_same: Comparison, seed: int) -> str | None:
-    device_sample = to_device(sample)
+def _grad(opinfo: OpInfo, sample: SampleInput, device_sample: SampleInput, assert_same: Comparison,
+          seed: int) -> str | None:
     expected, cpu_error = _run(lambda: _vjp(opinfo, sample, seed, None))
     if cpu_error is not None:
         return f"CPU cannot differentiate the sample ({type(cpu_error).__name__})"
@@ -437,13 +460,13 @@ def _grad(opinfo: OpInfo, sample: SampleInput, assert_same: Comparison, seed: in
     return None
 
 
-def _inplace(opinfo: OpInfo, sample: SampleInput, assert_same: Comparison, seed: int) -> str | None:
+def _inplace(opinfo: OpInfo, sample: SampleInput, device_sample: SampleInput, assert_same: Comparison,
+             seed: int) -> str | None:
     if not isinstance(sample.input, torch.Tensor):
         return "the input is not a tensor"
     if sample.broadcasts_input:
         return "the input broadcasts (an in-place op cannot write into it)"
     variant = opinfo.inplace_variant
-    device_sample = to_device(sample)
     cpu_self, device_self = sample.input.clone(), device_sample.input.clone()
     expected, cpu_error = _run(lambda: variant(cpu_self, *sample.args, **sample.kwargs))
     actual, error = _run(lambda: variant(device_self, *device_sample.args, **device_sample.kwargs))

@@ -93,12 +93,15 @@ def synchronize(device: int | str | torch.device | None = None) -> None:
     deferred.flush("synchronize")
     import jax
 
+    from torchtpu.exec import checks
+
     if not runtime.is_started():
         return
     target = runtime.runtime().devices[_index(device)]
     for array in jax.live_arrays():
         if target in array.devices():
             array.block_until_ready()
+    checks.raise_pending()
 
 
 def manual_seed(seed: int) -> None:

@@ -108,9 +108,14 @@ class CompiledGraph:
             rng = dyn[n_dynamic - 1] if random else None
             return values, rng
 
+        check_messages: list[str] = []
+
         def run(*flat_inputs):
             values, rng = values_of(flat_inputs)
-            return fx_graph.interpret(gm, values, precision=mode, platform=platform, rng_words=rng)
+            found: list = []
+            outs = fx_graph.interpret(gm, values, precision=mode, platform=platform, rng_words=rng, checks=found)
+            check_messages[:] = [message for _, message in found]
+            return outs, tuple(flag for flag, _ in found)
 
         # Output metadata from an abstract trace (shapes are concrete for this key).
         from torchtpu import dtypes as tpu_dtypes
@@ -120,7 +125,7 @@ class CompiledGraph:
             for i in inputs
         ] + [jax.ShapeDtypeStruct(getattr(v, "shape", ()), getattr(v, "dtype", None) or type(v))
              for v in call.dynamic]
-        abstract = jax.eval_shape(run, *avals)
+        abstract, _ = jax.eval_shape(run, *avals)
         new: list[NewTensor] = []
         template = []
         array_positions = []
@@ -135,10 +140,11 @@ class CompiledGraph:
                 template.append(("const", out))
 
         def program(*flat_inputs):
-            outs = run(*flat_inputs)
-            return tuple(opcall.write_new(outs[p], spec) for p, spec in zip(array_positions, new))
+            outs, flags = run(*flat_inputs)
+            return tuple(opcall.write_new(outs[p], spec) for p, spec in zip(array_positions, new)) + flags
 
-        return Program(program, inputs, (), tuple(new), ("list", tuple(template)), call.key)
+        return Program(program, inputs, (), tuple(new), ("list", tuple(template)), call.key,
+                       tuple(check_messages))
 
 
 def _compiler(kind: str):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from torchtpu import counters, dtypes, runtime
-from torchtpu.exec import eager, opcall
+from torchtpu.exec import checks, eager, opcall
 from torchtpu.storage import DeviceBuffer, new_tensor
 
 MAX_PENDING_OPS = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "1024"))
@@ -125,7 +125,6 @@ def _record(call: opcall.Call) -> Any:
         flush("loop")
     graph = _state.graph
     program = opcall.program_for(call)
-    _check_traceable(call, program)
     buffers = call.buffers
     wiring = []
     for storage in program.inputs:
@@ -160,7 +159,7 @@ def _record(call: opcall.Call) -> Any:
         buffer = DeviceBuffer(spec.dtype, spec.numel, call.device, promise)
         graph.owners.append(weakref.ref(buffer))
         new.append(new_tensor(buffer, spec.sizes, spec.strides))
-    n_host = len(shapes) - n_written - len(program.new)
+    n_host = len(shapes) - n_written - len(program.new) - len(program.checks)
     host = []
     if n_host:
         flush("host value")
@@ -194,6 +193,7 @@ def _output_avals(call: opcall.Call, program: opcall.Program) -> list:
             avals.append(((spec.numel,), dtypes.to_jax(spec.dtype)))
         n_host = _count_host(program.result)
         avals.extend([((), None)] * n_host)
+        avals.extend([((), np.dtype(np.bool_))] * len(program.checks))
         _avals[call.key] = avals
     return avals
 
@@ -204,25 +204,6 @@ def _count_host(template) -> int:
     if template[0] in ("tuple", "list"):
         return sum(_count_host(t) for t in template[1])
     return 0
-
-
-_traced_keys: set[tuple] = set()
-
-
-def _check_traceable(call: opcall.Call, program: opcall.Program) -> None:
-    """Trace a new program abstractly once, so a lowering error is raised at the op's line."""
-    if call.key in _traced_keys:
-        return
-    import jax
-
-    storages = call.key[3]
-    avals = [
-        jax.ShapeDtypeStruct((storages[i].numel,), dtypes.to_jax(storages[i].dtype))
-        for i in program.inputs
-    ]
-    avals += [jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for v in call.dynamic]
-    jax.eval_shape(program.fn, *avals)
-    _traced_keys.add(call.key)
 
 
 def materialize(buffer: DeviceBuffer, reason: str) -> None:
@@ -271,6 +252,13 @@ def _run(graph: _Graph, reason: str) -> None:
         for i in host_nodes
         for k in range(_count_host(graph.nodes[i].program.result))
     )
+    check_outputs = tuple(
+        (i, len(node.program.written) + len(node.program.new) + _count_host(node.program.result) + k)
+        for i, node in enumerate(graph.nodes)
+        for k in range(len(node.program.checks))
+    )
+    check_messages = [m for node in graph.nodes for m in node.program.checks]
+    host_outputs = host_outputs + check_outputs
     donate = _donatable(graph, [p for _, p in live])
     if len(graph.devices) > 1:
         raise RuntimeError(
@@ -294,8 +282,10 @@ def _run(graph: _Graph, reason: str) -> None:
     position = {ref: k for k, ref in enumerate(outputs)}
     for buffer, promise in live:
         buffer.value = results[position[(promise.node, promise.index)]]
-    for k, (node_index, _) in enumerate(host_outputs):
+    n_host = len(host_outputs) - len(check_outputs)
+    for k, (node_index, _) in enumerate(host_outputs[:n_host]):
         _host_results.setdefault(node_index, []).append(results[len(outputs) + k])
+    checks.add(results[len(outputs) + n_host:], check_messages)
 
 
 def _donatable(graph: _Graph, promises: list[Pending]) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from torchtpu import counters, runtime
-from torchtpu.exec import modes, opcall
+from torchtpu.exec import checks, modes, opcall
 from torchtpu.sharding import is_sharded, replicated
 from torchtpu.storage import DeviceBuffer, new_tensor
 
@@ -96,5 +96,11 @@ def finish(call: opcall.Call, program: opcall.Program, outs, sharded: bool = Fal
         if sharded:
             buffer.sharded = is_sharded(buffer.value)
         new.append(new_tensor(buffer, spec.sizes, spec.strides))
-    host = [np.asarray(v).item() for v in outs[n_written + len(program.new):]]
+    n_checks = len(program.checks)
+    end = len(outs) - n_checks
+    if n_checks:
+        checks.add(outs[end:], program.checks)
+        if modes.current() == "debug":
+            checks.raise_pending()
+    host = [np.asarray(v).item() for v in outs[n_written + len(program.new):end]]
     return opcall.assemble(program.result, call, new, host)

@@ -86,8 +86,10 @@ def interpret(
     precision: str,
     platform: str,
     rng_words: Any = None,
+    checks: list | None = None,
 ) -> list[Any]:
-    """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list."""
+    """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list.
+    Device-side checks the lowerings state are appended to `checks` as (flag, message)."""
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
     rng_base = tpu_random.key_from_words(rng_words) if rng_words is not None else None
@@ -127,6 +129,8 @@ def interpret(
                 )
                 pos, kw = sig.split(values)
                 env[node] = lowering.fn(ctx, *pos, **kw)
+                if checks is not None:
+                    checks.extend(ctx.checks)
             else:
                 raise UnsupportedNode(f"call_function {target} (node {node.name})")
         elif node.op == "output":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchtpu import dtypes, runtime, storage, strided
-from torchtpu.exec import modes
+from torchtpu.exec import checks, modes
 
 aten = torch.ops.aten
 
@@ -81,6 +81,7 @@ def to_array(t: torch.Tensor):
 
     buffer = storage.buffer_of(t)
     value = _materialized(buffer)
+    checks.raise_pending()
     np_dtype = dtypes.to_jax(t.dtype)
     if value is None:
         return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))

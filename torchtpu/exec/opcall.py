@@ -234,7 +234,8 @@ class Program:
 
     Inputs: the initialized storages' flat buffers (in call order), then the dynamic values.
     Outputs: new flat buffers for the `written` storages, then one per `new` tensor, then host
-    values (`host`: outputs that are Python numbers, e.g. `item()`).
+    values (`host`: outputs that are Python numbers, e.g. `item()`), then one flag per
+    device-side check (`checks`, see `torchtpu.exec.checks`).
     """
 
     fn: Callable[..., Any]
@@ -243,6 +244,7 @@ class Program:
     new: tuple[NewTensor, ...]
     result: Any  # template of the Python return value, see `assemble`
     key: tuple
+    checks: tuple[str, ...] = ()  # messages of the device-side check flags it returns last
 
 
 def _meta_tensor(ref: TensorRef) -> torch.Tensor:
@@ -412,17 +414,31 @@ def build(call: Call) -> Program:
         ctx = registry.LoweringContext(functional, fn_meta_args, fn_meta_out, mode, platform, rng)
         fpos, fkw = fsig.split(args)
         out = lowering.fn(ctx, *fpos, **fkw)
+        check_messages[:] = [message for _, message in ctx.checks]
+        flags = tuple(flag for flag, _ in ctx.checks)
 
         if sig.written:
             flat_out = out if isinstance(out, (tuple, list)) else (out,)
             for ref, val in zip(write_refs, flat_out):
                 buffers[ref.storage] = write_tensor(buffers[ref.storage], ref, val)
-            return tuple(buffers[i] for i in written)
+            return tuple(buffers[i] for i in written) + flags
         outs = list(_flatten(out))
         new_flat = [write_new(v, spec) for v, spec in zip(outs[: len(new)], new)]
-        return tuple(new_flat) + tuple(outs[len(new):])
+        return tuple(new_flat) + tuple(outs[len(new):]) + flags
 
-    return Program(program, inputs, written, tuple(new), result, key)
+    check_messages: list[str] = []
+    _trace_abstractly(program, storages, inputs, call.dynamic)
+    return Program(program, inputs, written, tuple(new), result, key, tuple(check_messages))
+
+
+def _trace_abstractly(fn, storages, inputs, dynamic) -> None:
+    """Trace a program once without running it: lowering errors surface at the op's line, and
+    what the trace records (its device-side checks) is known before the program runs."""
+    import jax
+
+    avals = [jax.ShapeDtypeStruct((storages[i].numel,), dtypes.to_jax(storages[i].dtype)) for i in inputs]
+    avals += [jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for v in dynamic]
+    jax.eval_shape(fn, *avals)
 
 
 def _flatten(out):

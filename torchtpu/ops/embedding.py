@@ -6,8 +6,9 @@ A bag reduction is a linear map of the weight once the bag of every index is kno
 rows, scale each by a coefficient (its per-sample weight, 0 for `padding_idx`, 1/bag size for
 mean), sum each bag. The backward ops are that map's adjoint (`views.transpose_view`), so the
 forward and backward bag arithmetic is written once. Low-precision weights reduce in float32, as
-PyTorch's CPU kernels accumulate. Index ranges follow `indexing.py`: a row out of range reads as
-the fill value (NaN) and its gradient is dropped.
+PyTorch's CPU kernels accumulate. A row index out of range is an error reported as a
+device-side check (see `indexing.py`); the forward ops check, the backward ops see the same
+indices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from torchtpu.ops import registry, views
-from torchtpu.ops.indexing import READ, STRICT, WRITE
+from torchtpu.ops.indexing import READ, STRICT, WRITE, check_range
 
 aten = torch.ops.aten
 
@@ -35,6 +36,8 @@ def _rows(weight, indices):
 
 @registry.register(aten.embedding.default)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if indices.size:
+        check_range(ctx, indices, weight.shape[0], "the embedding's rows")
     return _rows(weight, indices)
 
 
@@ -126,6 +129,8 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     """(output, offset2bag, bag_size, max_indices), shaped as PyTorch's meta kernel says."""
     num_bags = ctx.out_shape(0)[0]
+    if indices.size:
+        check_range(ctx, indices, weight.shape[0], "the embedding's rows")
     dtype = _opmath(weight.dtype)
     bags = _bag_of_each_index(offsets, indices.shape[0])
     coefficient, bag_size = _coefficients(indices, bags, num_bags, mode, per_sample_weights,

@@ -1,12 +1,13 @@
 """Indexing: gather and scatter (with reductions), advanced indexing and `index_put`,
 `index_select`/`index_reduce`, masked fill and scatter, `put`.
 
-Out-of-range indices: PyTorch raises, but telling would need a device-to-host read after every
-indexing op, which would serialise the TPU. Here a read out of range yields the gather fill value
+Out-of-range indices are errors, as in PyTorch, reported as device-side checks
+(`torchtpu.exec.checks`): raised at the next synchronisation rather than after every indexing op,
+which would serialise the device. Until then a read out of range yields the gather fill value
 (NaN for floats, the most negative value for signed integers, the largest for unsigned, True for
-bool) so it shows in the result, and a write out of range is dropped. Negative indices wrap where
-PyTorch wraps them (advanced indexing, `index_put`, `put`) and are out of range elsewhere (`gather`,
-`scatter*`, `index_select`, `index_reduce`).
+bool) and a write out of range is not applied. Negative indices wrap where PyTorch wraps them
+(advanced indexing, `index_put`, `put`) and are out of range elsewhere (`gather`, `scatter*`,
+`index_select`, `index_reduce`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def _is_mask(index) -> bool:
     return index is not None and index.dtype in (np.bool_, np.uint8)
 
 
+def check_range(ctx, index, size: int, what: str, wrap_negative: bool = False) -> None:
+    """A device-side check that every element of `index` addresses one of `size` positions."""
+    low = -size if wrap_negative else 0
+    ctx.check((index >= low) & (index < size), f"index out of range for {what} of size {size} "
+              f"(valid: {low}..{size - 1})")
+
+
 # --- gather / scatter along one dim -------------------------------------------------------------
 
 
@@ -50,6 +58,7 @@ def gather(ctx, x, dim, index, sparse_grad=False):
     x, index = _at_least_1d(x), _at_least_1d(index)
     dim = canonical_dim(dim, x.ndim)
     block = [n if d != dim else x.shape[d] for d, n in enumerate(index.shape)]
+    check_range(ctx, index, x.shape[dim], f"dimension {dim}")
     out = jnp.take_along_axis(_leading_block(x, block), index, axis=dim, **READ, **STRICT)
     return out.reshape(ctx.out_shape())
 
@@ -76,6 +85,14 @@ def _identity(reduce: str, dtype):
         info = jnp.iinfo(dtype)
         value = info.min if reduce == "amax" else info.max
     return jnp.asarray(value, dtype)
+
+
+def _scatter(ctx, x, dim: int, index, src, reduce: str, include_self: bool = True):
+    """`scatter_reduce_along` with the range of `index` checked, shaped as the op's output."""
+    if index.size:
+        check_range(ctx, index, _at_least_1d(x).shape[canonical_dim(dim, max(x.ndim, 1))],
+                    f"dimension {dim}")
+    return scatter_reduce_along(x, dim, index, src, reduce, include_self).reshape(ctx.out_shape())
 
 
 def scatter_reduce_along(x, dim: int, index, src, reduce: str, include_self: bool = True):
@@ -121,25 +138,24 @@ _LEGACY_REDUCE = {"add": "sum", "multiply": "prod"}
 
 @registry.register(aten.scatter.src, aten.scatter.value, dynamic_scalars=True)
 def scatter(ctx, x, dim, index, src):
-    return scatter_reduce_along(x, dim, index, src, "set").reshape(ctx.out_shape())
+    return _scatter(ctx, x, dim, index, src, "set")
 
 
 @registry.register(aten.scatter.reduce, aten.scatter.value_reduce, dynamic_scalars=True)
 def scatter_legacy_reduce(ctx, x, dim, index, src, *, reduce):
     if reduce not in _LEGACY_REDUCE:
         raise ValueError(f"scatter: reduce must be 'add' or 'multiply', got {reduce!r}")
-    out = scatter_reduce_along(x, dim, index, src, _LEGACY_REDUCE[reduce])
-    return out.reshape(ctx.out_shape())
+    return _scatter(ctx, x, dim, index, src, _LEGACY_REDUCE[reduce])
 
 
 @registry.register(aten.scatter_add.default)
 def scatter_add(ctx, x, dim, index, src):
-    return scatter_reduce_along(x, dim, index, src, "sum").reshape(ctx.out_shape())
+    return _scatter(ctx, x, dim, index, src, "sum")
 
 
 @registry.register(aten.scatter_reduce.two)
 def scatter_reduce(ctx, x, dim, index, src, reduce, *, include_self=True):
-    return scatter_reduce_along(x, dim, index, src, reduce, include_self).reshape(ctx.out_shape())
+    return _scatter(ctx, x, dim, index, src, reduce, include_self)
 
 
 # --- index_select / index_reduce: a 1-D index along one dim ---------------------------------------
@@ -153,6 +169,7 @@ def _along(dim: int, index) -> tuple:
 def index_select(ctx, x, dim, index):
     x = _at_least_1d(x)
     dim = canonical_dim(dim, x.ndim)
+    check_range(ctx, index, x.shape[dim], f"dimension {dim}")
     out = x.at[_along(dim, index.reshape(-1))].get(**READ, **STRICT)
     return out.reshape(ctx.out_shape())
 
@@ -165,8 +182,7 @@ def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
     shape = [1] * source.ndim
     shape[dim] = -1
     full_index = jnp.broadcast_to(index.reshape(shape), source.shape)
-    out = scatter_reduce_along(x, dim, full_index, source, reduce, include_self)
-    return out.reshape(ctx.out_shape())
+    return _scatter(ctx, x, dim, full_index, source, reduce, include_self)
 
 
 # --- advanced indexing ------------------------------------------------------------------------------
@@ -185,7 +201,14 @@ def index(ctx, x, indices):
             "aten.index with a boolean mask has a data-dependent shape; it runs through the "
             "data-dependent path in eager mode and cannot be part of a static program"
         )
+    _check_advanced(ctx, x, indices)
     return x.at[_key(indices)].get(**READ)
+
+
+def _check_advanced(ctx, x, indices) -> None:
+    for dim, index in enumerate(indices):
+        if index is not None and index.size:
+            check_range(ctx, index, x.shape[dim], f"dimension {dim}", wrap_negative=True)
 
 
 def _mask_rank(mask):
@@ -235,6 +258,7 @@ def _index_put_mask(x, indices, values, accumulate: bool):
 def index_put(ctx, x, indices, values, accumulate=False):
     if any(_is_mask(i) for i in indices):
         return _index_put_mask(x, indices, values, accumulate)
+    _check_advanced(ctx, x, indices)
     at = x.at[_key(indices)]
     values = jnp.asarray(values, x.dtype)
     return at.add(values, **WRITE) if accumulate else at.set(values, **WRITE)
@@ -248,6 +272,8 @@ def index_put_impl(ctx, x, indices, values, accumulate=False, unsafe=False):
 @registry.register(aten.put.default)
 def put(ctx, x, index, source, accumulate=False):
     """`x.flatten()[index] = source` (negative indices count from the end)."""
+    if index.size:
+        check_range(ctx, index, x.size, "the flattened tensor", wrap_negative=True)
     at = x.reshape(-1).at[index.reshape(-1)]
     source = source.reshape(-1).astype(x.dtype)
     flat = at.add(source, **WRITE) if accumulate else at.set(source, **WRITE)

@@ -100,6 +100,7 @@ class LoweringContext:
     platform: str = "cpu"
     _rng: Any = None
     _rng_draws: int = field(default=0)
+    checks: list = field(default_factory=list)
 
     def out(self, index: int = 0) -> torch.Tensor:
         """Output `index`'s metadata (a meta tensor)."""
@@ -131,6 +132,13 @@ class LoweringContext:
         operands = [o for o in operands if o is not None]
         compute, result = elementwise_dtypes(*operands, type_promotion_kind=kind)
         return dtypes.to_jax(compute), dtypes.to_jax(result)
+
+    def check(self, ok, message: str) -> None:
+        """State that `ok` (a boolean array) must hold everywhere; otherwise a `DeviceCheckError`
+        with `message` is raised at the next synchronisation (see `torchtpu.exec.checks`)."""
+        import jax.numpy as jnp
+
+        self.checks.append((jnp.all(ok), f"{self.op}: {message}"))
 
     def rng_key(self):
         """A fresh PRNG key for this op (deterministic: the executor derives it from the

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 import torchtpu
+from torchtpu.exec.checks import DeviceCheckError
 
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops, to  # noqa: F401
 
@@ -47,14 +48,26 @@ def test_gather_0d_and_out():
     same_as_cpu(into, X, torch.randint(0, 4, (3, 2, 5)), torch.empty(3, 2, 5))
 
 
-def test_out_of_range_reads_fill_and_writes_drop():
-    """The documented deviation from PyTorch (which raises): no device-to-host check per op."""
+@pytest.mark.parametrize("mode", ["strict", "debug", "defer"])
+@pytest.mark.parametrize(
+    "name, op",
+    [
+        ("gather", lambda x, i: torch.gather(x, 0, i)),
+        ("index_select", lambda x, i: x.index_select(0, i)),
+        ("scatter", lambda x, i: torch.zeros(4, device="tpu").scatter(0, i, torch.ones(3, device="tpu"))),
+        ("index", lambda x, i: x[i]),
+        ("index_put", lambda x, i: x.index_put((i,), torch.ones(3, device="tpu"))),
+        ("embedding", lambda x, i: torch.nn.functional.embedding(i, x.view(4, 1))),
+    ],
+)
+def test_out_of_range_indices_raise_at_the_next_sync(name, op, mode):
+    """As PyTorch raises (and CUDA reports device-side asserts at the next sync), an index out of
+    range is an error naming the op; nothing is dropped or clamped silently."""
     x = torch.arange(4.0).to("tpu")
-    index = torch.tensor([1, 4, -1]).to("tpu")
-    assert torch.gather(x, 0, index).cpu()[1:].isnan().all()
-    assert x.index_select(0, index).cpu()[1:].isnan().all()
-    scattered = torch.zeros(4).to("tpu").scatter(0, index, torch.ones(3).to("tpu"))
-    torch.testing.assert_close(scattered.cpu(), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    index = torch.tensor([1, 4, 0]).to("tpu")
+    with torchtpu.eager_mode(mode), pytest.raises(DeviceCheckError, match=f"aten.{name}.*index out of range"):
+        op(x, index).cpu()
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]  # the error was reported once; work goes on
 
 
 INDEX = torch.tensor([[[0, 1, 2, 1, 0]], [[2, 2, 1, 0, 1]]])  # (2, 1, 5): duplicates along dim 0

@@ -57,7 +57,9 @@ def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
 
 class SparseCoreEmbedding:
     """Lookup and update of a set of stacked tables on a mesh of `topology.global_device_count`
-    devices (default: the first devices of `jax.devices()`).
+    devices (default: the first devices of `jax.devices()`). A caller whose arrays already live on
+    a 1-D mesh (the `tpu` device's sharded tensors) passes that `mesh`: the kernels then run
+    over its devices and its axis, so its arrays are read where they are.
 
     `kernels` defaults to the implementation for the devices' platform (`local_kernels`); tests
     pass the TPU kernels explicitly to inspect their lowering. `entry_chunk` / `row_chunk` tile
@@ -70,8 +72,15 @@ class SparseCoreEmbedding:
         topology: Topology,
         devices: Sequence[jax.Device] | None = None,
         kernels: LocalKernels | None = None,
+        mesh: Mesh | None = None,
         **tiling: int,
     ) -> None:
+        if mesh is not None:
+            if devices is not None or len(mesh.axis_names) != 1:
+                raise ValueError(
+                    f"give either devices or a 1-D mesh, got devices={devices} and mesh axes {mesh.axis_names}"
+                )
+            devices = list(mesh.devices.flat)
         if devices is None:
             devices = jax.devices()[: topology.global_device_count]
         if len(devices) != topology.global_device_count:
@@ -82,14 +91,16 @@ class SparseCoreEmbedding:
         if len(set(names)) != len(names):
             raise ValueError(f"stack names must be unique, got {names}")
         self.topology = topology
-        self.mesh = make_mesh(devices)
+        self.mesh = mesh if mesh is not None else make_mesh(devices)
+        self.axis = self.mesh.axis_names[0]
+        """The mesh axis the kernels' collectives run over."""
         self.stacks = {stack.name: stack for stack in stacks}
         self.geometries = {
             stack.name: KernelGeometry.for_stack(stack, topology, buffer_sizes(stack, topology), **tiling)
             for stack in stacks
         }
         self._kernels = kernels or local_kernels(devices[0].platform)
-        self._sharded = NamedSharding(self.mesh, P(AXIS))
+        self._sharded = NamedSharding(self.mesh, P(self.axis))
         self._replicated = NamedSharding(self.mesh, P())
         self.lookup_program = jax.jit(self.lookup_fn)
         """`lookup_fn` jitted: what `lookup` runs (`.lower(...)` shows its HLO)."""
@@ -282,17 +293,21 @@ class SparseCoreEmbedding:
         """The traceable lookup of all stacks (what `lookup` jits)."""
         activations = {}
         for name, geometry in self.geometries.items():
-            kernel = functools.partial(self._kernels.lookup, geometry=geometry, axis_name=AXIS)
-            local = jax.shard_map(
-                lambda rp, ids, samples, gains, table: kernel(rp[0], ids[0], samples[0], gains[0], table),
-                mesh=self.mesh,
-                in_specs=(P(AXIS),) * 5,
-                out_specs=P(AXIS),
-            )
-            buffers = batch[name]
-            stacked = local(*(buffers[field] for field in _BUFFERS), tables[name])
+            stacked = self.lookup_stack(name, tables[name], batch[name])
             activations.update(self._unstack_activations(self.stacks[name], geometry, stacked))
         return activations
+
+    def lookup_stack(self, name: str, table: Array, buffers: Mapping[str, Array]) -> Array:
+        """The traceable lookup of one stack: its activations `[N*B, D]`, SparseCore-major (the
+        B samples of SparseCore 0 first, each feature at its `sample_offset_in_sparsecore`)."""
+        kernel = functools.partial(self._kernels.lookup, geometry=self.geometries[name], axis_name=self.axis)
+        local = jax.shard_map(
+            lambda rp, ids, samples, gains, table: kernel(rp[0], ids[0], samples[0], gains[0], table),
+            mesh=self.mesh,
+            in_specs=(P(self.axis),) * 5,
+            out_specs=P(self.axis),
+        )
+        return local(*(buffers[field] for field in _BUFFERS), table)
 
     def update_fn(
         self,
@@ -306,40 +321,49 @@ class SparseCoreEmbedding:
         """The traceable update of all stacks (what `update` jits, donating the first three)."""
         new_tables, new_slots, new_workspaces = {}, {}, {}
         for name, geometry in self.geometries.items():
-            stack = self.stacks[name]
-            buffers = batch[name]
-            missing = [field for field in _SIDE_CAR if field not in buffers]
-            if missing:
-                raise ValueError(
-                    f"stack {name!r}: the batch has no unique-row side-car; preprocess it with "
-                    "with_unique_rows=True to update"
-                )
-            state = dict(slots[name])
-            step = state.pop(STEP) + 1
-            hyper = {**hyperparameters[name], STEP: step}
-            kernel = functools.partial(
-                self._kernels.update, geometry=geometry, optimizer=stack.optimizer, axis_name=AXIS
+            grads = self._stack_activation_grads(self.stacks[name], geometry, activation_grads)
+            new_tables[name], new_slots[name], new_workspaces[name] = self.update_stack(
+                name, tables[name], slots[name], workspaces[name], batch[name], grads, hyperparameters[name]
             )
-            local = jax.shard_map(
-                lambda rp, ids, samples, gains, index, unique, grads, table, state, workspace, hyper: kernel(
-                    rp[0], ids[0], samples[0], gains[0], index[0], unique[0], grads, table, state, workspace, hyper
-                ),
-                mesh=self.mesh,
-                in_specs=(P(AXIS),) * 10 + (P(),),
-                out_specs=(P(AXIS), P(AXIS), P(AXIS)),
-            )
-            grads = self._stack_activation_grads(stack, geometry, activation_grads)
-            table, state, workspace = local(
-                *(buffers[field] for field in _BUFFERS + _SIDE_CAR),
-                grads,
-                tables[name],
-                state,
-                workspaces[name],
-                hyper,
-            )
-            new_tables[name], new_workspaces[name] = table, workspace
-            new_slots[name] = {**state, STEP: step}
         return new_tables, new_slots, new_workspaces
+
+    def update_stack(
+        self,
+        name: str,
+        table: Array,
+        slots: Mapping[str, Array],
+        workspace: Array,
+        buffers: Mapping[str, Array],
+        activation_grads: Array,
+        hyperparameters: Mapping[str, Array],
+    ) -> tuple[Array, dict[str, Array], Array]:
+        """The traceable update of one stack from its activations' gradient `[N*B, D]` (the
+        layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace."""
+        missing = [field for field in _SIDE_CAR if field not in buffers]
+        if missing:
+            raise ValueError(
+                f"stack {name!r}: the batch has no unique-row side-car; preprocess it with "
+                "with_unique_rows=True to update"
+            )
+        state = dict(slots)
+        step = state.pop(STEP) + 1
+        hyper = {**hyperparameters, STEP: step}
+        kernel = functools.partial(
+            self._kernels.update, geometry=self.geometries[name], optimizer=self.stacks[name].optimizer,
+            axis_name=self.axis,
+        )
+        local = jax.shard_map(
+            lambda rp, ids, samples, gains, index, unique, grads, table, state, workspace, hyper: kernel(
+                rp[0], ids[0], samples[0], gains[0], index[0], unique[0], grads, table, state, workspace, hyper
+            ),
+            mesh=self.mesh,
+            in_specs=(P(self.axis),) * 10 + (P(),),
+            out_specs=(P(self.axis), P(self.axis), P(self.axis)),
+        )
+        table, state, workspace = local(
+            *(buffers[field] for field in _BUFFERS + _SIDE_CAR), activation_grads, table, state, workspace, hyper
+        )
+        return table, {**state, STEP: step}, workspace
 
     @staticmethod
     def _unstack_activations(stack: StackedTable, geometry: KernelGeometry, stacked: Array) -> dict[str, Array]:

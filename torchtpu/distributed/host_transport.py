@@ -4,15 +4,18 @@ This is the transport of the CPU stand-in (and of point-to-point traffic on TPU)
 its tpu inputs as host tensors, launches gloo on them and, when the work is waited on, moves
 gloo's results into the tpu outputs. Where device memory is host memory (JAX's CPU platform) no
 byte is copied on our side: an input is a view of its device buffer, and a result buffer becomes
-the output's device buffer (`memory.move_from_host`). The one exception is a tensor that gloo
-updates in place (all_reduce, a receiving broadcast): device buffers are immutable, so gloo gets
-a private copy. On other platforms the same code moves data device -> host -> device.
+the output's device buffer (`memory.move_from_host`). Two exceptions copy once: a tensor that
+gloo updates in place (all_reduce) gets a private copy, since device buffers are immutable, and
+the list form of all-to-all concatenates its inputs. On other platforms the same code moves data
+device -> host -> device.
 
 Gloo only reads the buffers passed as inputs here; the tests check that inputs are unchanged.
 """
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Sequence
 
@@ -40,10 +43,70 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     return memory.numpy_to_torch(np.asarray(array)).view(t.shape)
 
 
+class ReceiveBuffers:
+    """Host buffers that results arrive in, reused once their device arrays are gone.
+
+    A result buffer becomes its output's device buffer, so it cannot be reused while any device
+    array (or a host view of one) still uses it. Each buffer handed out is a view of a pooled
+    allocation; the view, and the DLPack export of it, hold references to the allocation's
+    storage, so its use count is back to its value at allocation exactly when the last user has
+    let go. Reusing allocations matters: fresh pages cost the kernel more to map and zero than
+    gloo takes to fill them. Sizes are rounded up (by at most 25%) so that varying sizes share
+    allocations; at most `max_bytes` are pooled, the least recently used sizes are forgotten first.
+    """
+
+    def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20) -> None:
+        self._per_size = per_size
+        self._max_bytes = max_bytes
+        self._pooled = 0
+        self._pool: OrderedDict[int, list[tuple[torch.Tensor, int]]] = OrderedDict()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        size = _rounded(nbytes)
+        allocations = self._pool.setdefault(size, [])
+        self._pool.move_to_end(size)
+        for allocation, idle in allocations:
+            if _use_count(allocation) == idle:
+                break
+        else:
+            allocation = torch.empty(size, dtype=torch.uint8)
+            if len(allocations) < self._per_size:
+                allocations.append((allocation, _use_count(allocation)))
+                self._pooled += size
+                self._forget_oldest()
+        return allocation[:nbytes].view(dtype).view(shape)
+
+    def _forget_oldest(self) -> None:
+        while self._pooled > self._max_bytes and len(self._pool) > 1:
+            size, allocations = self._pool.popitem(last=False)
+            self._pooled -= size * len(allocations)
+
+
+def _rounded(nbytes: int) -> int:
+    """Allocation size for `nbytes`: a multiple of an eighth to a quarter of it, and of a page."""
+    step = 1 << max(nbytes.bit_length() - 3, 12)
+    return -(-nbytes // step) * step
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy contiguous `src` into `dst` with one memcpy (NumPy's; PyTorch's parallel copy stalls
+    when the host's cores are busy, e.g. with the other ranks of a collective)."""
+    if dst.numel():
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+
+
 class _Staging:
     """The host buffers of one collective, and which tpu output each result goes to."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: ReceiveBuffers) -> None:
+        self.buffers = buffers
         self.inputs: list[torch.Tensor] = []  # kept alive until gloo is done with them
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -53,22 +116,27 @@ class _Staging:
         return host
 
     def update(self, t: torch.Tensor) -> torch.Tensor:
-        host = host_view(t).clone()
+        host = self.buffers.take(tuple(t.shape), t.dtype)
+        _copy_bytes(host, host_view(t))
         self.moves.append((t, host))
         return host
 
     def receive(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tuple(t.shape), dtype=t.dtype)
+        host = self.buffers.take(tuple(t.shape), t.dtype)
         self.moves.append((t, host))
         return host
 
     def read_flat(self, ts: Tensors) -> torch.Tensor:
-        """Several inputs, concatenated into one flat host buffer."""
-        return torch.cat([self.read(t).reshape(-1) for t in ts])
+        """Several inputs, copied into one flat host buffer."""
+        flat = self.buffers.take((sum(t.numel() for t in ts),), ts[0].dtype)
+        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+            _copy_bytes(piece, host_view(t))
+        self.inputs.append(flat)
+        return flat
 
     def receive_flat(self, ts: Tensors) -> torch.Tensor:
         """One flat host buffer for several outputs, each receiving its piece."""
-        flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
+        flat = self.buffers.take((sum(t.numel() for t in ts),), ts[0].dtype)
         for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
             self.moves.append((t, piece.view(t.shape)))
         return flat
@@ -84,6 +152,7 @@ class HostTransport:
     def __init__(self, gloo: dist.ProcessGroupGloo, rank: int) -> None:
         self._gloo = gloo
         self._rank = rank
+        self._buffers = ReceiveBuffers()
 
     def _launch(
         self, collective: str, staging: _Staging, work: dist.Work, result: Tensors, any_source: bool = False
@@ -99,40 +168,40 @@ class HostTransport:
         return TpuWork(collective, self._rank, complete, result, source_rank)
 
     def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         return self._launch("all_reduce", s, self._gloo.allreduce([s.update(t) for t in tensors], opts), tensors)
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         source = self._rank == opts.rootRank
         host = [s.read(t) if source and i == opts.rootTensor else s.receive(t) for i, t in enumerate(tensors)]
         return self._launch("broadcast", s, self._gloo.broadcast(host, opts), tensors)
 
     def allgather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.AllgatherOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         host_out = [[s.receive(t) for t in group] for group in outputs]
         work = self._gloo.allgather(host_out, [s.read(t) for t in inputs], opts)
         return self._launch("all_gather", s, work, [t for group in outputs for t in group])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         work = self._gloo._allgather_base(s.receive(output), s.read(input), opts)
         return self._launch("all_gather_into_tensor", s, work, [output])
 
     def reduce_scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ReduceScatterOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         host_in = [[s.read(t) for t in group] for group in inputs]
         work = self._gloo.reduce_scatter([s.receive(t) for t in outputs], host_in, opts)
         return self._launch("reduce_scatter", s, work, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         work = self._gloo._reduce_scatter_base(s.receive(output), s.read(input), opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
                           opts: dist.AllToAllOptions) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         input_splits, output_splits = sizes.splits(self._rank)
         work = self._gloo.alltoall_base(s.receive(output), s.read(input), output_splits, input_splits, opts)
         return self._launch("all_to_all_single", s, work, [output])
@@ -140,20 +209,20 @@ class HostTransport:
     def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
         """The list form, as one uneven all-to-all of the concatenated tensors: gloo's own list
         form hangs when the tensors differ in size."""
-        s = _Staging()
+        s = _Staging(self._buffers)
         input_splits, output_splits = sizes.splits(self._rank)
         work = self._gloo.alltoall_base(s.receive_flat(outputs), s.read_flat(inputs), output_splits, input_splits, opts)
         return self._launch("all_to_all", s, work, outputs)
 
     def send(self, tensors: Tensors, dst: int, tag: int) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         return self._launch("send", s, self._gloo.send([s.read(t) for t in tensors], dst, tag), tensors)
 
     def recv(self, tensors: Tensors, src: int, tag: int) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         return self._launch("recv", s, self._gloo.recv([s.receive(t) for t in tensors], src, tag), tensors)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> TpuWork:
-        s = _Staging()
+        s = _Staging(self._buffers)
         work = self._gloo.recv_anysource([s.receive(t) for t in tensors], tag)
         return self._launch("recv", s, work, tensors, any_source=True)

@@ -60,8 +60,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if self._served is None:
             try:
                 config = dist.get_backend_config(self)
-            except (ValueError, RuntimeError):
-                return frozenset({"tpu"})  # still being created
+            except (ValueError, TypeError):
+                return frozenset({"tpu"})  # not registered yet: still being created
             self._served = frozenset(pair.split(":")[0] for pair in config.split(","))
         return self._served
 

@@ -154,9 +154,10 @@ class XlaTransport:
         op = _op_name(opts.reduceOp)
         results = []
         for t in tensors:
-            programs.check_reduce_op(op, memory.to_array(t).dtype)
+            value = memory.to_array(t)
+            programs.check_reduce_op(op, value.dtype)
             mesh = self._mesh_for(t)
-            out = self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, memory.to_array(t))))
+            out = self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, value)))
             self._write(t, out)
             results.append(out)
         return self._done("all_reduce", results, tensors)

@@ -236,11 +236,17 @@ def _outcome(case: Callable, c: Case):
     return [t.detach().cpu() for t in outputs]
 
 
+def collectives_and_all_to_all(rank: int, world: int, modes: tuple[str, ...], patterns: int) -> None:
+    _init()
+    torch.tpu.set_device(rank)
+    collectives_vs_gloo(rank, world, modes)
+    all_to_all_fuzz(rank, world, patterns)
+    dist.destroy_process_group()
+
+
 def collectives_vs_gloo(rank: int, world: int, modes: tuple[str, ...]) -> None:
     """Every collective, dtype and sync/async mode on tpu tensors equals gloo on CPU tensors,
     bit for bit; in the other eager modes, with inputs that are pending results."""
-    _init()
-    torch.tpu.set_device(rank)
     reference = dist.new_group(backend="gloo")
     device = torch.device("tpu", rank)
     for mode in modes:
@@ -260,7 +266,7 @@ def collectives_vs_gloo(rank: int, world: int, modes: tuple[str, ...]) -> None:
                     for i, (a, b) in enumerate(zip(got, want, strict=True)):
                         assert_same_bits(a, b, f"{what} output {i}")
         dist.barrier()
-    dist.destroy_process_group()
+    torchtpu.set_eager_mode("strict")
 
 
 # --- uneven all-to-all fuzzing against a NumPy model ----------------------------------------
@@ -279,8 +285,6 @@ def _tagged_rows(src: int, rows: np.ndarray, width: int) -> np.ndarray:
 def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
     """Random uneven split patterns (zeros included): every received element is the one the
     NumPy model says, in every dtype, shape and sync/async mode."""
-    _init()
-    torch.tpu.set_device(rank)
     device = torch.device("tpu", rank)
     rng = np.random.default_rng(2024 + world)  # the same patterns on every rank
     for p in range(patterns):
@@ -314,7 +318,6 @@ def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
             f"pattern {p} rows={rows.tolist()} rank {rank}: got {got.tolist()} expected {expected.tolist()}"
         )
         assert torch.equal(sent, host_in), f"pattern {p}: an input was modified"
-    dist.destroy_process_group()
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -367,8 +370,9 @@ def errors(rank: int, world: int) -> None:
     short = dist.new_group(backend="tpu_dist", timeout=timedelta(seconds=2))
     if rank == 0:
         start = time.monotonic()
-        _raises(CollectiveError, "all_reduce failed on rank 0", dist.all_reduce, torch.ones(2, device=device),
-                group=short)
+        message = _raises(CollectiveError, "all_reduce failed on rank 0", dist.all_reduce,
+                          torch.ones(2, device=device), group=short)
+        assert "Timed out waiting 2000ms" in message, message
         assert time.monotonic() - start < 30
     dist.barrier()
 
@@ -419,23 +423,29 @@ def _batches(world: int, steps: int, per_rank: int):
             for _ in range(steps)]
 
 
-def ddp_training(rank: int, world: int, mode: str, steps: int = 10, per_rank: int = 4) -> None:
-    """DDP over tpu_dist on `tpu` equals single-process CPU training on the concatenated batch."""
+def ddp_training(rank: int, world: int, modes: tuple[str, ...], steps: int = 10, per_rank: int = 4) -> None:
+    """DDP over tpu_dist, each rank training on its part of every batch, equals one process
+    training the same model on `tpu` on the whole batches (same lowerings and matmul precision,
+    so what differs is only what DDP and the backend do), in each eager mode."""
     _init()
-    torchtpu.set_eager_mode(mode)
     device = torch.device("tpu", 0)  # host_per_rank layout: each rank's one device
-    model = torch.nn.parallel.DistributedDataParallel(_model().to(device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    reference = _model()
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    for x, y in _batches(world, steps, per_rank):
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        torch.nn.functional.mse_loss(reference(x), y).backward()
-        reference_optimizer.step()
-    for (name, p), q in zip(model.module.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=lambda m: f"{name} after {steps} steps: {m}")
+    for mode in modes:
+        torchtpu.set_eager_mode(mode)
+        model = torch.nn.parallel.DistributedDataParallel(_model().to(device))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        reference = _model().to(device)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for x, y in _batches(world, steps, per_rank):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            torch.nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
+            reference_optimizer.step()
+        initial = _model().state_dict()
+        for (name, p), q in zip(model.module.named_parameters(), reference.parameters(), strict=True):
+            assert not torch.equal(p.detach().cpu(), initial[name]), f"{mode}: {name} did not train"
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(),
+                                       msg=lambda m: f"{mode}: {name} after {steps} steps: {m}")
     dist.destroy_process_group()

@@ -15,14 +15,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_collectives_match_gloo_bit_for_bit(world_size):
+def test_collectives_match_gloo_bit_for_bit_and_uneven_all_to_all_is_exact(world_size):
+    """One job per world size (spawning ranks is the slow part): every collective against gloo
+    (in every eager mode at world size 2), then 200 random uneven all-to-all split patterns."""
     modes = ("strict", "defer", "debug") if world_size == 2 else ("strict",)
-    run_ranks(workers.collectives_vs_gloo, world_size, modes)
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_uneven_all_to_all_fuzz(world_size):
-    run_ranks(workers.all_to_all_fuzz, world_size, 200)
+    run_ranks(workers.collectives_and_all_to_all, world_size, modes, 200)
 
 
 def test_errors_are_clear_and_do_not_hang():

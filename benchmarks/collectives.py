@@ -1,0 +1,95 @@
+"""Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
+
+    python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters 10]
+
+Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
+For each collective and size it times blocks of `iters` calls, alternating between gloo on CPU
+tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors in the same run,
+and reports the median block. Bus bandwidth follows nccl-tests: all_reduce moves
+2(n-1)/n of the buffer per rank, all_to_all (n-1)/n. The goal is tpu_dist >= 0.9x gloo: the
+backend itself should add next to nothing to the transport it runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch.multiprocessing as mp
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
+
+
+def _time_block(collective, tensors, group, iters: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        collective(*tensors, group=group)
+    dist.barrier(group=group)
+    return (time.perf_counter() - start) / iters
+
+
+def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int], iters: int, trials: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), TORCHTPU_LOCK_DIR=lock_dir, TORCHTPU_NUM_DEVICES=str(world),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={world}",
+    )
+    import torch
+    import torch.distributed as dist
+
+    import torchtpu  # noqa: F401  (registers tpu_dist)
+
+    torch.tpu.set_device(rank)
+    dist.init_process_group("cpu:gloo,tpu:tpu_dist")
+    gloo = dist.new_group(backend="gloo")
+    device = torch.device("tpu", rank)
+    rows = []
+    for name, collective in (("all_reduce", dist.all_reduce), ("all_to_all_single", dist.all_to_all_single)):
+        for mib in sizes_mib:
+            numel = mib * 2**20 // 4 // world * world
+            cpu = [torch.ones(numel)] if name == "all_reduce" else [torch.empty(numel), torch.ones(numel)]
+            tpu = [t.to(device) for t in cpu]
+            for group, tensors in ((gloo, cpu), (dist.group.WORLD, tpu)):
+                _time_block(collective, tensors, group, 2)  # warm-up: connections, buffers
+            gloo_times, tpu_times = [], []
+            for _ in range(trials):
+                gloo_times.append(_time_block(collective, cpu, gloo, iters))
+                tpu_times.append(_time_block(collective, tpu, dist.group.WORLD, iters))
+            nbytes = numel * 4
+            bus = BUS_FACTOR[name](world) * nbytes / 1e9
+            rows.append((name, mib, bus / statistics.median(gloo_times), bus / statistics.median(tpu_times)))
+    if rank == 0:
+        print(f"world size {world}; median of {trials} blocks of {iters} calls; bus bandwidth in GB/s")
+        print(f"{'collective':<18} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
+        for name, mib, gloo_bw, tpu_bw in rows:
+            print(f"{name:<18} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {tpu_bw / gloo_bw:>7.2f}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=5)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(
+        _rank,
+        args=(args.world_size, port, tempfile.mkdtemp(prefix="tpu-dist-bench-"), args.sizes_mib, args.iters, args.trials),
+        nprocs=args.world_size,
+        start_method="spawn",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -82,12 +82,18 @@ def linspace(ctx, start, end, steps, *, dtype=None, layout=None, device=None, pi
 
 @registry.register(aten.logspace.default)
 def logspace(ctx, start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
-    """base ** linspace(start, end): exponents and powers in opmath for floating outputs (float32
-    for bfloat16, unlike linspace itself), float64 for integer outputs."""
+    """base ** linspace(start, end): for floating outputs, start and end rounded to the output
+    dtype, then exponents and powers in opmath (float32 for bfloat16, unlike linspace itself);
+    for integer outputs, in float64."""
     out = ctx.out_dtype()
-    compute = np.dtype(np.float64) if _integral(out) else opmath(out)
-    exponents = linspace_values(start, end, steps, out if _integral(out) else compute)
-    return jnp.power(jnp.asarray(base, compute), exponents.astype(compute))
+    if _integral(out):
+        compute = np.dtype(np.float64)
+        exponents = linspace_values(start, end, steps, out)
+    else:
+        compute = opmath(out)
+        start, end = (float(np.asarray(v, out)) for v in (start, end))  # ATen rounds them first
+        exponents = linspace_values(start, end, steps, compute)
+    return jnp.power(jnp.asarray(base, compute), exponents)
 
 
 def _triangle_indices(ctx, mask):

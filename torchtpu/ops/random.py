@@ -37,7 +37,9 @@ def _check_generator(ctx, generator) -> None:
 
 
 def _sampling_dtype(ctx) -> np.dtype:
-    return opmath(ctx.out_dtype())
+    """Continuous draws are made in opmath, and in float32 for integer outputs (`geometric_`)."""
+    out = ctx.out_dtype()
+    return opmath(out) if jnp.issubdtype(out, jnp.floating) else np.dtype(np.float32)
 
 
 def _param(value, dtype):

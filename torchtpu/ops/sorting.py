@@ -216,6 +216,8 @@ def cummin(ctx, x, dim):
 def _search(boundaries, values, right: bool):
     """Insertion points of `values` into rows of sorted `boundaries` (1-D: one row for all)."""
     side = "right" if right else "left"
+    if values.size == 0 or boundaries.shape[-1] == 0:
+        return jnp.zeros(values.shape, np.int64)
     if boundaries.ndim == 1:
         return jnp.searchsorted(boundaries, values, side=side)
     rows = boundaries.reshape(-1, boundaries.shape[-1])

@@ -100,6 +100,11 @@ def test_linspace_logspace(steps, dtype):
     same_on_both(lambda device: torch.logspace(0, 6, steps, base=2, dtype=dtype, device=device))
 
 
+def test_logspace_rounds_its_bounds_to_the_output_dtype():
+    same_on_both(lambda device: torch.logspace(4.3, -3, 2, dtype=torch.bfloat16, device=device))
+    same_on_both(lambda device: torch.logspace(0.1, 2.7, 33, dtype=torch.float16, device=device))
+
+
 def test_linspace_tensor_bounds_and_out():
     same_on_both(lambda device: torch.linspace(torch.tensor(-1.0), torch.tensor(2.0), 9, device=device))
     same_on_both(lambda device: torch.linspace(0, 1, 5, out=torch.empty(5, device=device)))

@@ -90,6 +90,7 @@ def _chisquare(values: np.ndarray, pmf: dict[int, float]) -> float:
 
 DISCRETE = {
     "geometric_": (lambda: _empty().geometric_(0.3), {k: stats.geom(0.3).pmf(k) for k in range(1, 25)}),
+    "geometric_int64": (lambda: _empty(dtype=torch.int64).geometric_(0.5), {k: 0.5**k for k in range(1, 20)}),
     "poisson": (lambda: torch.poisson(torch.full((N,), 4.0, device="tpu")), {k: stats.poisson(4).pmf(k) for k in range(20)}),
     "bernoulli_tensor": (lambda: torch.bernoulli(torch.full((N,), 0.3, device="tpu")), {0: 0.7, 1: 0.3}),
     "bernoulli_inplace_tensor_p": (lambda: _empty().bernoulli_(torch.tensor(0.2, device="tpu")), {0: 0.8, 1: 0.2}),

@@ -142,6 +142,12 @@ def test_searchsorted_with_sorter_and_mixed_dtypes():
     same_as_cpu(lambda b, v: torch.searchsorted(b, v), torch.tensor([0, 2, 4, 6]), torch.tensor([[1, 4], [7, -3]]))
 
 
+def test_searchsorted_empty_boundaries_or_values():
+    for boundaries, values in ((torch.zeros(0, 0), torch.zeros(0, 0)), (torch.zeros(3, 0), torch.zeros(3, 2)),
+                               (torch.zeros(0), torch.ones(3)), (BOUNDARIES, torch.zeros(2, 0))):
+        same_as_cpu(torch.searchsorted, boundaries, values)
+
+
 def test_histc():
     data = torch.randn(500, generator=torch.Generator().manual_seed(3))
     same_as_cpu(lambda t: torch.histc(t, 10), data)

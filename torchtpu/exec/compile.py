@@ -6,6 +6,8 @@ storages -- the graph's nodes call the same registry lowerings as the eager exec
 (`torchtpu.exec.graph`) -- and runs through the current eager executor: strict mode jits it, defer
 mode records it as one node of the pending graph, so compiled regions fuse with the eager code
 around them. Graph breaks and the optimizer step outside the graph simply run eagerly.
+Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
+tensors, not copies; an input the graph `copy_`s into (state a backward writes) is written in place.
 
 A graph containing an op without a lowering is run eagerly instead (its ops dispatch one by one
 to the tpu kernels), counted in `torchtpu.metrics()["compiled_graphs_run_eagerly"]` and warned.
@@ -59,6 +61,7 @@ class CompiledGraph:
         self.gm = gm
         self.name = f"{kind}_graph_{next(_graph_ids)}"
         self.random = fx_graph.needs_rng(gm)
+        self.aliases = fx_graph.aliased_outputs(gm)
         self.missing = fx_graph.unsupported_ops(gm)
         if self.missing:
             counters.count("compiled_graphs_run_eagerly")
@@ -106,16 +109,24 @@ class CompiledGraph:
                 else:
                     values.append(ref)
             rng = dyn[n_dynamic - 1] if random else None
-            return values, rng
+            return values, rng, buffers
 
         check_messages: list[str] = []
+        written_inputs: list[int] = []
 
         def run(*flat_inputs):
-            values, rng = values_of(flat_inputs)
+            values, rng, buffers = values_of(flat_inputs)
             found: list = []
-            outs = fx_graph.interpret(gm, values, precision=mode, platform=platform, rng_words=rng, checks=found)
+            writes: dict[int, Any] = {}
+            outs = fx_graph.interpret(
+                gm, values, precision=mode, platform=platform, rng_words=rng, checks=found, writes=writes
+            )
             check_messages[:] = [message for _, message in found]
-            return outs, tuple(flag for flag, _ in found)
+            written_inputs[:] = sorted(writes)
+            written = tuple(
+                opcall.write_tensor(buffers[refs[i].storage], refs[i], writes[i]) for i in written_inputs
+            )
+            return outs, tuple(flag for flag, _ in found), written
 
         # Output metadata from an abstract trace (shapes are concrete for this key).
         from torchtpu import dtypes as tpu_dtypes
@@ -125,12 +136,18 @@ class CompiledGraph:
             for i in inputs
         ] + [jax.ShapeDtypeStruct(getattr(v, "shape", ()), getattr(v, "dtype", None) or type(v))
              for v in call.dynamic]
-        abstract, _ = jax.eval_shape(run, *avals)
+        abstract, _, _ = jax.eval_shape(run, *avals)
+        for i in written_inputs:
+            if not isinstance(refs[i], TensorRef):
+                raise fx_graph.UnsupportedNode(f"{self.name} copies into input {i}, which is not a tpu tensor")
+        written = tuple(refs[i].storage for i in written_inputs)
         new: list[NewTensor] = []
         template = []
         array_positions = []
         for position, out in enumerate(abstract):
-            if isinstance(out, jax.ShapeDtypeStruct):
+            if position in self.aliases:
+                template.append(("arg", self.aliases[position]))
+            elif isinstance(out, jax.ShapeDtypeStruct):
                 sizes = tuple(out.shape)
                 dtype = tpu_dtypes.from_jax(out.dtype)
                 new.append(NewTensor(sizes, opcall.contiguous_strides(sizes), dtype, math.prod(sizes)))
@@ -140,10 +157,11 @@ class CompiledGraph:
                 template.append(("const", out))
 
         def program(*flat_inputs):
-            outs, flags = run(*flat_inputs)
-            return tuple(opcall.write_new(outs[p], spec) for p, spec in zip(array_positions, new)) + flags
+            outs, flags, written_values = run(*flat_inputs)
+            fresh = tuple(opcall.write_new(outs[p], spec) for p, spec in zip(array_positions, new))
+            return written_values + fresh + flags
 
-        return Program(program, inputs, (), tuple(new), ("list", tuple(template)), call.key,
+        return Program(program, inputs, written, tuple(new), ("list", tuple(template)), call.key,
                        tuple(check_messages))
 
 

@@ -62,9 +62,30 @@ def unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
     missing = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, OpOverload):
-            if registry.get(node.target) is None and not _is_size_query(node.target):
+            lowered = registry.get(node.target) is not None or _is_input_copy(node)
+            if not lowered and not _is_size_query(node.target):
                 missing.append(str(node.target))
     return sorted(set(missing))
+
+
+def _is_input_copy(node: torch.fx.Node) -> bool:
+    """`copy_` into a graph input: the one in-place op AOTAutograd leaves in a graph, for inputs
+    whose data the graph mutates (state written during the backward, e.g. by a fused optimizer)."""
+    destination = node.args[0] if node.args else None
+    return (
+        node.target is torch.ops.aten.copy_.default
+        and isinstance(destination, torch.fx.Node)
+        and destination.op == "placeholder"
+    )
+
+
+def aliased_outputs(gm: torch.fx.GraphModule) -> dict[int, int]:
+    """Outputs that are graph inputs as they came in (AOTAutograd's forward returns the inputs it
+    saves for the backward this way): output position -> input position."""
+    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    results = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    return {position: placeholders[value] for position, value in enumerate(results) if value in placeholders}
 
 
 _SIZE_QUERIES = {
@@ -87,11 +108,14 @@ def interpret(
     platform: str,
     rng_words: Any = None,
     checks: list | None = None,
+    writes: dict[int, Any] | None = None,
 ) -> list[Any]:
     """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list.
-    Device-side checks the lowerings state are appended to `checks` as (flag, message)."""
+    Device-side checks the lowerings state are appended to `checks` as (flag, message); the new
+    values of inputs the graph copies into go to `writes`, by input position."""
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
+    input_position: dict[torch.fx.Node, int] = {}
     rng_base = tpu_random.key_from_words(rng_words) if rng_words is not None else None
     import jax
 
@@ -102,6 +126,7 @@ def interpret(
     for position, node in enumerate(gm.graph.nodes):
         if node.op == "placeholder":
             env[node] = next(placeholders)
+            input_position[node] = len(input_position)
         elif node.op == "get_attr":
             env[node] = _constant(getattr(gm, node.target))
         elif node.op == "call_function":
@@ -115,6 +140,11 @@ def interpret(
                     raise UnsupportedNode(f"{target} (strides are not observable in compiled tpu graphs)")
                 env[node] = query(*args, **kwargs)
             elif isinstance(target, OpOverload):
+                copies_input = _is_input_copy(node)
+                if copies_input:
+                    if writes is None:
+                        raise UnsupportedNode(f"{target} into a graph input (node {node.name})")
+                    target = torch.ops.aten.copy.default
                 lowering = registry.get(target)
                 if lowering is None:
                     raise UnsupportedNode(f"{target} has no tpu lowering (node {node.name})")
@@ -131,6 +161,10 @@ def interpret(
                 env[node] = lowering.fn(ctx, *pos, **kw)
                 if checks is not None:
                     checks.extend(ctx.checks)
+                if copies_input:
+                    destination = node.args[0]
+                    env[destination] = env[node]
+                    writes[input_position[destination]] = env[node]
             else:
                 raise UnsupportedNode(f"call_function {target} (node {node.name})")
         elif node.op == "output":

@@ -65,6 +65,16 @@ def same_shapes(collective: str, name: str, tensors: Sequence[torch.Tensor], lik
             )
 
 
+def one_per_rank(collective: str, name: str, lists: Sequence[Sequence[torch.Tensor]], likes: Sequence[torch.Tensor],
+                 like_name: str, world: int) -> None:
+    """Each list holds one tensor per rank, shaped like its counterpart in `likes`."""
+    if len(lists) != len(likes):
+        raise ValueError(f"tpu_dist {collective}: {len(lists)} lists of {name} for {len(likes)} tensors")
+    for tensors, like in zip(lists, likes):
+        list_length(collective, name, tensors, world)
+        same_shapes(collective, name, tensors, like, like_name)
+
+
 def world_multiple(collective: str, big: torch.Tensor, big_name: str, small: torch.Tensor, small_name: str, world: int) -> None:
     """`big` holds one `small` per rank."""
     if big.numel() != world * small.numel():

@@ -76,10 +76,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # --- routing ------------------------------------------------------------------------------
 
     def _route(self, collective: str, tensors: Tensors):
-        """The backend for this call's tensors: gloo for cpu tensors, the transport for tpu."""
+        """The backend for this call's tensors (all of one device and dtype): gloo for cpu
+        tensors, the transport for tpu tensors."""
         if self._closed:
             raise RuntimeError(f"tpu_dist {collective}: this process group was destroyed")
         device = checks.placement(collective, tensors, "cpu" in self._served_types())
+        checks.same_dtype(collective, tensors)
         if device.type == "cpu":
             return self._gloo
         if self._device is None:
@@ -121,19 +123,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def allgather(self, output_tensors: Sequence[Tensors], input_tensors: Tensors,
                   opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         c = "all_gather"
-        outputs = [t for group in output_tensors for t in group]
-        backend = self._route(c, [*outputs, *input_tensors])
-        checks.same_dtype(c, [*outputs, *input_tensors])
-        for group, input in zip(output_tensors, input_tensors, strict=True):
-            checks.list_length(c, "tensor_list", group, self.size())
-            checks.same_shapes(c, "tensor_list", group, input, "tensor")
+        backend = self._route(c, [*(t for group in output_tensors for t in group), *input_tensors])
+        checks.one_per_rank(c, "tensor_list", output_tensors, input_tensors, "tensor", self.size())
         return backend.allgather(output_tensors, input_tensors, opts or c10d.AllgatherOptions())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         c = "all_gather_into_tensor"
         backend = self._route(c, [output, input])
-        checks.same_dtype(c, [output, input])
         checks.world_multiple(c, output, "output_tensor", input, "input_tensor", self.size())
         return backend.all_gather_single(output, input, opts or c10d.AllgatherOptions())
 
@@ -142,19 +139,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: Tensors, input_tensors: Sequence[Tensors],
                        opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         c = "reduce_scatter"
-        inputs = [t for group in input_tensors for t in group]
-        backend = self._route(c, [*output_tensors, *inputs])
-        checks.same_dtype(c, [*output_tensors, *inputs])
-        for output, group in zip(output_tensors, input_tensors, strict=True):
-            checks.list_length(c, "input_list", group, self.size())
-            checks.same_shapes(c, "input_list", group, output, "output")
+        backend = self._route(c, [*output_tensors, *(t for group in input_tensors for t in group)])
+        checks.one_per_rank(c, "input_list", input_tensors, output_tensors, "output", self.size())
         return backend.reduce_scatter(output_tensors, input_tensors, opts or c10d.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         c = "reduce_scatter_tensor"
         backend = self._route(c, [output, input])
-        checks.same_dtype(c, [output, input])
         checks.world_multiple(c, input, "input", output, "output", self.size())
         return backend.reduce_scatter_single(output, input, opts or c10d.ReduceScatterOptions())
 
@@ -164,7 +156,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
                           input_split_sizes: Sequence[int], opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         c = "all_to_all_single"
         backend = self._route(c, [output, input])
-        checks.same_dtype(c, [output, input])
         checks.row_shapes(c, output, input)
         send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self.size())
         recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self.size())
@@ -181,15 +172,19 @@ class ProcessGroupTPU(dist.ProcessGroup):
                  opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         c = "all_to_all"
         backend = self._route(c, [*output_tensors, *input_tensors])
-        checks.same_dtype(c, [*output_tensors, *input_tensors])
         checks.list_length(c, "output_tensor_list", output_tensors, self.size())
         checks.list_length(c, "input_tensor_list", input_tensors, self.size())
         sizes = self._agree(c, [t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
                             input_tensors[0].dtype, "elements", "input_tensor_list", "output_tensor_list")
         opts = opts or c10d.AllToAllOptions()
-        if backend is self._gloo:
-            return self._gloo.alltoall(output_tensors, input_tensors, opts)
-        return backend.alltoall(output_tensors, input_tensors, sizes, opts)
+        if backend is not self._gloo:
+            return backend.alltoall(output_tensors, input_tensors, sizes, opts)
+        if len(set(sizes.send.flat)) > 1:
+            raise ValueError(
+                f"tpu_dist {c}: gloo's list all_to_all of cpu tensors needs tensors of one size (it "
+                f"waits forever otherwise); use all_to_all_single, or tpu tensors"
+            )
+        return self._gloo.alltoall(output_tensors, input_tensors, opts)
 
     def barrier(self, opts: c10d.BarrierOptions | None = None) -> dist.Work:
         if self._closed:

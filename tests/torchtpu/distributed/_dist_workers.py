@@ -354,6 +354,11 @@ def errors(rank: int, world: int) -> None:
     _raises(ValueError, "has 5 elements, expected 2 ranks x 3", dist.all_gather_into_tensor,
             torch.empty(5, device=device), torch.ones(3, device=device))
 
+    # gloo's list all_to_all of cpu tensors would wait forever on unequal sizes.
+    sizes = [1, 2] if rank == 0 else [2, 1]
+    _raises(ValueError, "needs tensors of one size", dist.all_to_all, [torch.empty(n) for n in sizes],
+            [torch.ones(n) for n in sizes])
+
     # Tensors on the wrong device.
     other = torch.device("tpu", rank + world)
     _raises(RuntimeError, f"tensors are on {other}, but this process drives {device}", dist.all_reduce,

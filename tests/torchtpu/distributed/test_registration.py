@@ -1,0 +1,22 @@
+"""`import torchtpu` registers tpu_dist with torch.distributed for the `tpu` device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchtpu  # noqa: F401
+
+
+def test_tpu_dist_is_the_backend_of_tpu_devices():
+    assert "tpu_dist" in dist.Backend.backend_list
+    assert dist.Backend.default_device_backend_map["tpu"] == "tpu_dist"
+    assert dist.Backend.backend_capability["tpu_dist"] == ["tpu"]
+    assert dist.Backend.backend_type_map["tpu_dist"] == dist.ProcessGroup.BackendType.CUSTOM
+
+
+def test_a_collective_before_init_process_group_says_so():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        dist.all_reduce(torch.ones(2, device="tpu:0"))

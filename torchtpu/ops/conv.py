@@ -66,9 +66,16 @@ def _transposed(ctx, x, w, stride, padding, dilation, output_padding, groups):
         (d * (k - 1) - p, d * (k - 1) - p + r)
         for k, p, d, r in zip(kernel, padding, dilation, output_padding)
     ]
+    lhs_dilation = tuple(stride)
+    if any(s > 1 for s in stride) and any(d > 1 for d in dilation):
+        # XLA's algebraic simplifier aborts on some convolutions with both lhs and rhs
+        # dilation (jax 0.10.2): dilate and pad the input explicitly instead.
+        x = lax.pad(x, jnp.zeros((), x.dtype),
+                    [(0, 0, 0)] * 2 + [(lo, hi, s - 1) for (lo, hi), s in zip(pads, stride)])
+        pads, lhs_dilation = [(0, 0)] * len(kernel), (1,) * len(kernel)
     return _conv(
         ctx, x, w, _PLAIN, window_strides=(1,) * len(kernel), padding=pads,
-        lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation), feature_group_count=groups,
+        lhs_dilation=lhs_dilation, rhs_dilation=tuple(dilation), feature_group_count=groups,
     )
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 import numpy as np
 import torch
+from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from torchtpu import precision
@@ -87,6 +88,13 @@ def addbmm(ctx, self, a, b, *, beta=1, alpha=1):
     return _accumulate(ctx, self, product(ctx, a, b, (((0, 2), (0, 1)), ((), ()))), beta, alpha)
 
 
+@registry.register(aten.linalg_cross.default)
+def linalg_cross(ctx, a, b, *, dim=-1):
+    # Lowered (rather than decomposed) so bf16 products round once, in opmath, as on CPU.
+    compute = opmath(ctx.out_dtype())
+    return jnp.cross(a.astype(compute), b.astype(compute), axis=dim)
+
+
 @registry.register(aten._int_mm.default)
 def int_mm(ctx, a, b):
     return precision.dot_general(a, b, _MM, ctx.precision, ctx.platform, np.int32)
@@ -130,11 +138,31 @@ def _cholesky(x, upper: bool):
     return jnp.tril(lax_linalg.cholesky(x, symmetrize_input=False))
 
 
+def _cholesky_info(a, upper: bool):
+    """LAPACK's potrf info: the order of the first leading minor that is not positive definite.
+
+    Found by elimination without pivoting, whose k-th pivot is the Schur complement that the
+    Cholesky factorisation takes the square root of. XLA's Cholesky only yields NaN on failure,
+    so this runs (under `lax.cond`) only then."""
+    sym = jnp.triu(a) + _mT(jnp.triu(a, 1)) if upper else jnp.tril(a) + _mT(jnp.tril(a, -1))
+
+    def eliminate(k, carry):
+        m, info = carry
+        pivot = m[..., k, k]
+        info = jnp.where((info == 0) & ~(pivot > 0), k + 1, info)
+        column = m[..., :, k] / pivot[..., None]
+        return m - column[..., :, None] * m[..., None, k, :], info
+
+    info = jnp.zeros(a.shape[:-2], np.int32)
+    return lax.fori_loop(0, a.shape[-1], eliminate, (sym, info))[1]
+
+
 @registry.register(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(ctx, x, *, upper=False, check_errors=False):
     factor = _cholesky(x, upper)
-    # A failed factorisation leaves NaN from the first non-positive pivot on.
-    info = _first_failure(jnp.isnan(jnp.diagonal(factor, axis1=-2, axis2=-1)))
+    failed = jnp.any(jnp.isnan(jnp.diagonal(factor, axis1=-2, axis2=-1)))
+    info = lax.cond(failed, lambda: _cholesky_info(x, upper),
+                    lambda: jnp.zeros(x.shape[:-2], np.int32))
     return factor, info
 
 
@@ -280,16 +308,23 @@ def _pivot_sign(pivots, dtype):
     return jnp.where(swaps % 2 == 0, 1, -1).astype(dtype)
 
 
+def _factors_transpose(ctx) -> bool:
+    """Whether ATen's det/slogdet factor A^T instead of A (they do for a contiguous real A, to
+    hand LAPACK a column-major matrix). The LU is saved for the backward, whose formulas pick
+    the adjoint solve accordingly, so the LU here must be the same factorisation."""
+    return ctx.arg(0).is_contiguous()
+
+
 @registry.register(aten._linalg_det.default)
 def linalg_det(ctx, a):
-    lu, pivots, _, _ = _lu(a)
+    lu, pivots, _, _ = _lu(_mT(a) if _factors_transpose(ctx) else a)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
     return _pivot_sign(pivots, a.dtype) * jnp.prod(diagonal, -1), lu, pivots
 
 
 @registry.register(aten._linalg_slogdet.default)
 def linalg_slogdet(ctx, a):
-    lu, pivots, _, _ = _lu(a)
+    lu, pivots, _, _ = _lu(_mT(a) if _factors_transpose(ctx) else a)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
     sign = _pivot_sign(pivots, a.dtype) * jnp.prod(jnp.sign(diagonal), -1)
     return sign, jnp.sum(jnp.log(jnp.abs(diagonal)), -1), lu, pivots
@@ -344,7 +379,7 @@ def linalg_matrix_exp(ctx, a):
     # The scaling-and-squaring products run at full precision: a solver's inner products
     # are not the user's matmuls, and bf16 passes would ruin the series.
     with jax.default_matmul_precision("highest"):
-        return jax.scipy.linalg.expm(a)
+        return jax.scipy.linalg.expm(a.astype(opmath(a.dtype)))
 
 
 @registry.register_data_dependent(aten.linalg_lstsq.default)

@@ -1,8 +1,8 @@
 """What each rank runs in the tpu_dist multi-process tests (see `_dist_harness.run_ranks`).
 
-References are things this project did not write: PyTorch's own gloo process group on CPU
-tensors (a `dist.new_group(backend="gloo")` next to the tpu_dist group), NumPy models of what an
-all-to-all must deliver, and single-process PyTorch CPU training.
+References: PyTorch's own gloo process group on CPU tensors (a `dist.new_group(backend="gloo")`
+next to the tpu_dist group), NumPy models of what an all-to-all must deliver, and for DDP one
+process training on the whole batches (the equivalence DDP promises).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class Case:
     pending_inputs: bool  # inputs are results of not-yet-run ops (DeferAndFuse promises)
     inputs: list = field(default_factory=list)  # (tensor, value it must keep)
 
-    def data(self, *shape: int, salt: int = 0, rank: int | None = None) -> torch.Tensor:
-        seed = 1000 * (self.rank if rank is None else rank) + 17 * salt + DTYPES.index(self.dtype)
+    def data(self, *shape: int, salt: int = 0) -> torch.Tensor:
+        seed = 1000 * self.rank + 17 * salt + DTYPES.index(self.dtype)
         g = torch.Generator().manual_seed(seed)
         if self.dtype == torch.int64:
             host = torch.randint(-9, 10, shape, generator=g)

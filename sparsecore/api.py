@@ -47,6 +47,7 @@ AXIS = "sparsecore_devices"
 """Name of the mesh axis the kernels' collectives run over."""
 
 _BUFFERS = ("row_pointers", "embedding_ids", "sample_ids", "gains")
+_SCALAR_CACHE_SIZE = 64
 _SIDE_CAR = ("entry_unique_index", "unique_ids")
 
 
@@ -110,6 +111,7 @@ class SparseCoreEmbedding:
         """`update_fn` jitted with tables, slots and workspaces donated: what `update` runs."""
         self._workspaces: dict[str, Array] | None = None
         self._table_initializers: dict[str, Callable[[Array, Array, Array], Array]] = {}
+        self._scalars: dict[float, Array] = {}
 
     # ----------------------------------------------------------------------------- state
 
@@ -256,7 +258,9 @@ class SparseCoreEmbedding:
         return tables, slots
 
     def hyperparameters(self, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-        """Per stack, its optimizer's hyper-parameters as float32 scalars, with `overrides`."""
+        """Per stack, its optimizer's hyper-parameters as float32 scalars replicated on the mesh,
+        with `overrides` (Python numbers or arrays). Arrays for Python numbers are cached by
+        value, so a step whose values did not change transfers nothing."""
         overrides = dict(overrides or {})
         unknown = sorted(set(overrides) - set(self.stacks))
         if unknown:
@@ -271,8 +275,18 @@ class SparseCoreEmbedding:
                     f"stack {name!r} ({type(stack.optimizer).__name__}) has no hyper-parameter(s) "
                     f"{extra}; it has {sorted(defaults)}"
                 )
-            values[name] = {k: jnp.asarray(given.get(k, v), jnp.float32) for k, v in defaults.items()}
+            values[name] = {k: self._replicated_scalar(given.get(k, v)) for k, v in defaults.items()}
         return values
+
+    def _replicated_scalar(self, value: Any) -> Array:
+        if isinstance(value, jax.Array):
+            return jax.device_put(value.astype(jnp.float32).reshape(()), self._replicated)
+        value = float(value)
+        if value not in self._scalars:
+            if len(self._scalars) >= _SCALAR_CACHE_SIZE:  # a schedule: forget the oldest value
+                del self._scalars[next(iter(self._scalars))]
+            self._scalars[value] = jax.device_put(np.float32(value), self._replicated)
+        return self._scalars[value]
 
     def _new_workspaces(self) -> dict[str, Array]:
         return {

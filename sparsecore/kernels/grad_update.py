@@ -108,7 +108,7 @@ def apply_optimizer(
     """Update every slot's row of `table` and `slots` with its accumulated gradient, in chunks of
     `geometry.row_chunk` rows, visiting only the slots in use."""
     chunk, merged = geometry.row_chunk, geometry.merged_rows_per_sparsecore
-    ends = jnp.cumsum(counts)
+    ends = jnp.cumsum(counts, dtype=jnp.int32)
     starts = ends - counts
     total = ends[-1]
     discard = workspace.shape[0] - 1

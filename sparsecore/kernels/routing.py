@@ -122,7 +122,7 @@ def route_entries(
     used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0).reshape(-1)
 
     def read_received(window: Array, offset: Array) -> EntryChunk:
-        rows, samples, gain_bits, *unique = lax.dynamic_slice(payload, (window, offset, 0), (1, c, len(fields)))[0].T
+        rows, samples, gain_bits, *unique = lax.dynamic_slice(payload, (window, offset, jnp.zeros_like(window)), (1, c, len(fields)))[0].T
         return EntryChunk(
             rows=rows,
             unique_slots=unique[0] if with_unique else samples,

@@ -63,7 +63,7 @@ def accumulate_rows(
     of `target`, and the scatter drops it (so not even a NaN times zero arrives).
     """
     per_window = (used + chunk - 1) // chunk
-    ends = jnp.cumsum(per_window)
+    ends = jnp.cumsum(per_window, dtype=jnp.int32)
     starts = ends - per_window
 
     def step(index: Array, total: Array) -> Array:

@@ -166,3 +166,19 @@ def test_differentiable_lookup_returns_updated_state_as_cotangent():
         np.asarray(new_slots["ab"]["accumulator"]), np.asarray(want_slots["ab"]["accumulator"]), rtol=1e-6
     )
     assert float(new_slots["ab"]["step"]) == 1.0
+
+
+def test_kernels_run_with_64_bit_mode_on():
+    """The torch backend turns jax_enable_x64 on; index arithmetic must keep its int32 types."""
+    results = []
+    for x64 in (False, True):
+        with jax.enable_x64(x64):
+            engine, features = build(opt.RowWiseAdagrad(learning_rate=0.2))
+            packed = preprocess(tuple(engine.stacks.values()), batch_for(features, seed=5), TOPOLOGY)
+            tables, slots = engine.init(jax.random.key(3))
+            activations = engine.lookup(tables, packed)
+            tables, slots = engine.update(tables, slots, packed, ones_like_outputs(features))
+            results.append((np.asarray(activations["fa"]), engine.unstack_tables(tables)["a"]))
+    (activations, table), (activations_x64, table_x64) = results
+    np.testing.assert_array_equal(activations_x64, activations)
+    np.testing.assert_array_equal(table_x64, table)

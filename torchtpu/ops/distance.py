@@ -67,21 +67,14 @@ def cdist_forward(ctx, x1, x2, p: float, compute_mode):
     return vector_norm(_differences(x1, x2), float(p), (-1,), False)
 
 
-def _sum_to(x, shape: tuple[int, ...]):
-    """Sum a broadcast result back down to `shape`."""
-    lead = x.ndim - len(shape)
-    x = jnp.sum(x, tuple(range(lead))) if lead else x
-    kept = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
-    return jnp.sum(x, kept, keepdims=True) if kept else x
-
-
 @registry.register(aten._cdist_backward.default)
 def cdist_backward(ctx, grad, x1, x2, p: float, dist):
     compute = opmath(ctx.out_dtype())
-    grad, x1c, x2, dist = (t.astype(compute) for t in (grad, x1, x2, dist))
-    diff = _differences(x1c, x2)
+    grad, x1, x2, dist = (t.astype(compute) for t in (grad, x1, x2, dist))
+    diff = _differences(x1, x2)
     per_pair = grad[..., None] * _pnorm_grad(diff, dist[..., None], float(p))
-    return _sum_to(jnp.sum(per_pair, -2), x1.shape)
+    # The gradient of the broadcast x1 (autograd sums it back to x1's own shape).
+    return jnp.broadcast_to(jnp.sum(per_pair, -2), ctx.out_shape())
 
 
 def _pairs(n: int):

@@ -20,6 +20,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import torch
 from jax import lax
+from torch._prims_common import canonicalize_dim
 
 from torchtpu.ops import registry
 from torchtpu.ops.reduction import opmath
@@ -38,11 +39,16 @@ def _shifted(x, dim: int):
     """x minus its maximum along `dim` (a row of -inf gives NaN, as in PyTorch)."""
     if x.ndim == 0:
         return x - x
-    return x - lax.stop_gradient(jnp.max(x, dim, keepdims=True))
+    return x - lax.stop_gradient(jnp.max(x, _dim(x, dim), keepdims=True))
 
 
 def _sum(x, dim: int):
-    return x if x.ndim == 0 else jnp.sum(x, dim, keepdims=True)
+    return x if x.ndim == 0 else jnp.sum(x, _dim(x, dim), keepdims=True)
+
+
+def _dim(x, dim: int) -> int:
+    """`dim` wrapped into range; PyTorch's IndexError otherwise (its meta kernels let it pass)."""
+    return canonicalize_dim(x.ndim, dim)
 
 
 @registry.register(aten._softmax.default)
@@ -62,7 +68,7 @@ def safe_softmax(ctx, x, dim: int, dtype=None):
     """Softmax whose rows of -inf (fully masked attention rows) give 0 instead of NaN."""
     x = _softmax_input(ctx, x)
     e = jnp.exp(_shifted(x, dim))
-    masked = jnp.all(x == -jnp.inf, dim, keepdims=True) if x.ndim else x == -jnp.inf
+    masked = jnp.all(x == -jnp.inf, _dim(x, dim), keepdims=True) if x.ndim else x == -jnp.inf
     return jnp.where(masked, jnp.zeros((), x.dtype), e / _sum(e, dim))
 
 

@@ -64,13 +64,15 @@ GRAD = Check("grad", "grad", torch.float32)
 INPLACE = Check("inplace", "inplace", torch.float32)
 CHECKS: dict[str, Check] = {c.name: c for c in (FLOAT32, BFLOAT16, INT64, GRAD, INPLACE)}
 
-# Base tolerances per dtype. float32: XLA's transcendental approximations and reduction orders
-# differ from ATen's by a few ulps, which composite ops accumulate; bfloat16: 4 ulps (PyTorch's
-# own bf16 rtol), with an absolute floor for results that cancel to near zero; integers: exact.
+# Base tolerances by the dtype of the compared value; integer and bool values compare exactly.
+# float32: XLA's transcendental approximations and reduction orders differ from ATen's by a few
+# ulps, which composite ops accumulate. bfloat16: 4 ulps (PyTorch's own bf16 rtol), with an
+# absolute floor for results that cancel to near zero. float16 and float64: PyTorch's defaults.
 BASE_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
     torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-3, 1e-5),
     torch.bfloat16: (1.6e-2, 1e-2),
-    torch.int64: (0.0, 0.0),
 }
 # PyTorch test classes whose tolerance overrides say "this op's numerics legitimately vary between
 # implementations" (reference, decomposition and gradient comparisons), device-agnostic ones only.
@@ -92,9 +94,9 @@ def entries() -> dict[str, OpInfo]:
     return {entry_name(o): o for o in op_db}
 
 
-def tolerance(opinfo: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol): the base for `dtype`, raised by the OpInfo's own overrides for it."""
-    rtol, atol = BASE_TOLERANCE[dtype]
+def tolerance_override(opinfo: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) that the OpInfo's own overrides for `dtype` samples allow ((0, 0) if none)."""
+    rtol = atol = 0.0
     for decoration in opinfo.decorators:
         if isinstance(decoration, DecorateInfo):
             if decoration.cls_name not in _NUMERICS_TEST_CLASSES or not decoration.is_active(
@@ -111,6 +113,15 @@ def tolerance(opinfo: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
             elif isinstance(decorator, precisionOverride) and dtype in decorator.d:
                 atol = max(atol, decorator.d[dtype])
     return rtol, atol
+
+
+def tolerance(value_dtype: torch.dtype, override: tuple[float, float]) -> tuple[float, float]:
+    """(rtol, atol) for comparing values of `value_dtype`: its base raised by `override`;
+    integers and bools exactly."""
+    if not value_dtype.is_floating_point:
+        return 0.0, 0.0
+    rtol, atol = BASE_TOLERANCE[value_dtype]
+    return max(rtol, override[0]), max(atol, override[1])
 
 
 def _skip_reason(decorator: Callable) -> str | None:
@@ -293,9 +304,10 @@ class DeviceFailure(CaseFailure):
         self.error = error
 
 
-def compare(actual: Any, expected: Any, rtol: float, atol: float, where: str, values: bool = True) -> None:
+def compare(actual: Any, expected: Any, override: tuple[float, float], where: str, values: bool = True) -> None:
     """`actual` (from tpu) equals `expected` (from CPU): same structure, dtypes and shapes, values
-    within (rtol, atol) unless `values` is False; every tensor of `actual` lives on `tpu`."""
+    within `tolerance` of their dtype and `override` unless `values` is False; every tensor of
+    `actual` lives on `tpu`."""
     actual_leaves, actual_spec = tree_flatten(actual)
     expected_leaves, expected_spec = tree_flatten(expected)
     if actual_spec != expected_spec:
@@ -314,12 +326,13 @@ def compare(actual: Any, expected: Any, rtol: float, atol: float, where: str, va
             a = a.cpu()
         elif not values:
             continue
-        elif isinstance(e, float) and isinstance(a, float):
-            a, e = torch.tensor(a, dtype=torch.float64), torch.tensor(e, dtype=torch.float64)
+        elif isinstance(e, float) and isinstance(a, float):  # e.g. item() of a float32 result
+            a, e = torch.tensor(a, dtype=torch.float32), torch.tensor(e, dtype=torch.float32)
         elif type(a) is not type(e) or a != e:
             raise Mismatch(label, f"got {a!r}, CPU returned {e!r}")
         else:
             continue
+        rtol, atol = tolerance(e.dtype, override)
         try:
             torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
         except AssertionError as error:
@@ -356,16 +369,15 @@ def _differentiable(outputs: Any) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """How one sample's results are compared: tolerances, and whether values are (see
-    `values_undefined`); `where` names the case and sample in failure messages."""
+    """How one sample's results are compared: the OpInfo's tolerance override, and whether values
+    are compared (see `values_undefined`); `where` names the case and sample in messages."""
 
-    rtol: float
-    atol: float
+    override: tuple[float, float]
     values: bool
     where: str
 
     def __call__(self, actual: Any, expected: Any, what: str = "") -> None:
-        compare(actual, expected, self.rtol, self.atol, f"{self.where}{what}", self.values)
+        compare(actual, expected, self.override, f"{self.where}{what}", self.values)
 
 
 @dataclass
@@ -386,7 +398,7 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
     """Run the selected samples of `opinfo` for `check` in eager `mode`; raise on the first
     sample whose tpu result differs from CPU's (or that fails on tpu only)."""
     name = entry_name(opinfo)
-    rtol, atol = tolerance(opinfo, check.dtype)
+    override = tolerance_override(opinfo, check.dtype)
     undefined = values_undefined(opinfo, check.dtype)
     result = CaseResult(values_compared=undefined is None)
     if undefined is not None and check.kind == "grad":
@@ -402,7 +414,7 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
         if reason is not None:
             result.skip(reason)
             continue
-        comparison = Comparison(rtol, atol, undefined is None, f"{name} [{check.name}, {mode}] {describe(index, sample)}")
+        comparison = Comparison(override, undefined is None, f"{name} [{check.name}, {mode}] {describe(index, sample)}")
         before = torchtpu.metrics().get("decomposed_ops", {})
         with torchtpu.eager_mode(mode), torch.tpu.precision("highest"):
             reason = runner(opinfo, sample, to_device(sample, placement), comparison,

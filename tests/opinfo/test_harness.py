@@ -7,7 +7,7 @@ import torch
 
 from . import harness
 
-TOL = dict(rtol=1e-4, atol=1e-5, where="case")
+TOL = dict(override=(0.0, 0.0), where="case")
 
 
 def test_compare_catches_each_kind_of_difference():
@@ -70,3 +70,16 @@ def test_run_case_requires_tpu_to_reject_what_cpu_rejects():
 
     with pytest.raises(harness.Mismatch, match="tpu did not raise"):
         harness.run_case(_broken("abs", rejects_only_on_cpu), harness.FLOAT32, "strict", harness.Selection(1))
+
+
+def test_tolerance_follows_the_compared_values_dtype():
+    """An int64 sample of `tan` yields float32 values: compared with float32's tolerance, while
+    integer results stay exact."""
+    assert harness.tolerance(torch.int64, (0.1, 0.1)) == (0.0, 0.0)
+    assert harness.tolerance(torch.float32, (0.0, 0.0)) == harness.BASE_TOLERANCE[torch.float32]
+    assert harness.tolerance(torch.float32, (1e-2, 0.0)) == (1e-2, harness.BASE_TOLERANCE[torch.float32][1])
+    ints = torch.tensor([1, 2])
+    with pytest.raises(harness.Mismatch, match="not equal"):
+        harness.compare(ints.to(harness.DEVICE) + 1, ints, **TOL)
+    floats = torch.tensor([1.0, 2.0])
+    harness.compare(torch.nextafter(floats, floats + 1).to(harness.DEVICE), floats, **TOL)

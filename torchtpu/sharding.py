@@ -83,6 +83,17 @@ def replicated(value: "jax.Array") -> "jax.Array":
     return jax.device_put(value, NamedSharding(mesh(), P()))
 
 
+@functools.lru_cache(maxsize=None)
+def _flatten(mesh: "Mesh"):
+    """The reshape of a row-sharded array into a sharded tensor's flat buffer, jitted once (per
+    shape, by jit's own cache) rather than per call."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.jit(lambda a: a.reshape(-1), out_shardings=NamedSharding(mesh, P(AXIS)))
+
+
 def _check_rows(shape: tuple[int, ...], what: str) -> None:
     devices = len(mesh_devices())
     if not shape or shape[0] % devices:
@@ -96,10 +107,8 @@ def from_jax(array: "jax.Array") -> torch.Tensor:
     """A sharded `tpu` tensor that takes ownership of `array` (sharded by rows over `mesh()`).
 
     `array` must not be used after the call: in-place ops donate the tensor's buffer."""
-    import jax
-
     _check_rows(tuple(array.shape), "from_jax")
-    flat = jax.jit(lambda a: a.reshape(-1), out_shardings=flat_sharding())(array)
+    flat = _flatten(mesh())(array)
     return _wrap(flat, dtypes.from_jax(array.dtype), tuple(array.shape))
 
 
@@ -121,7 +130,7 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
 
     _check_rows(tuple(tensor.shape), "shard")
     if tensor.device.type == "tpu":
-        flat = jax.jit(lambda a: a.reshape(-1), out_shardings=flat_sharding())(memory.to_array(tensor))
+        flat = _flatten(mesh())(memory.to_array(tensor))
     else:
         host = memory.torch_to_numpy(tensor).reshape(-1)
         flat = jax.make_array_from_callback(host.shape, flat_sharding(), lambda index: np.array(host[index]))

@@ -10,8 +10,11 @@ never silently dropped or clamped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -278,3 +281,144 @@ def weight_norm_interface_backward(ctx, grad_w, saved_v, saved_g, saved_norms, d
     grad_g = dot / norms
     grad_v = (g / norms) * (grad_w - v * (dot / jnp.square(norms)))
     return grad_v, grad_g
+
+
+# --- connectionist temporal classification ----------------------------------------------------
+# ATen's CTC: alpha (forward) and beta (backward) recursions in log space over the extended
+# label sequence l' = (blank, t1, blank, t2, ..., blank), one lax.scan over time each. The
+# backward op returns ATen's gradient, exp(lp) - exp(log(sum alpha*beta) + nll - lp): the
+# gradient with respect to the logits under log_softmax, which ATen's autograd expects.
+
+_NEG_INF = -jnp.inf
+
+
+def _padded_targets(targets, target_lengths: np.ndarray):
+    """Targets as (N, S), S the longest target: padded 2-d targets cut to S columns,
+    concatenated 1-d targets split per sample (padding entries are never read)."""
+    width = max(int(target_lengths.max(initial=0)), 1)
+    if targets.ndim == 2:
+        return targets[:, :width] if targets.shape[1] >= width else jnp.pad(
+            targets, ((0, 0), (0, width - targets.shape[1])))
+    starts = np.concatenate([[0], np.cumsum(target_lengths)[:-1]]).astype(np.int64)
+    index = starts[:, None] + np.arange(width)[None, :]
+    return targets[np.clip(index, 0, max(targets.shape[0] - 1, 0))]
+
+
+class _Ctc(NamedTuple):
+    emissions: jax.Array  # (T, N, S') log-probability of each extended label at each time
+    labels: jax.Array  # (N, S') extended labels
+    skip: jax.Array  # (N, S') the label two back may be skipped (alpha) / to (beta)
+    valid: jax.Array  # (N, S') s <= 2 * target_length
+    input_lengths: np.ndarray  # (N,)
+    target_lengths: np.ndarray  # (N,)
+
+
+def _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank: int) -> _Ctc:
+    n = log_probs.shape[1]
+    target_lengths = np.asarray(target_lengths, np.int64).reshape(n)
+    padded = _padded_targets(targets, target_lengths)
+    width = 2 * padded.shape[1] + 1
+    s = jnp.arange(width)
+    labels = jnp.where(s % 2 == 0, blank, padded[:, jnp.clip((s - 1) // 2, 0, padded.shape[1] - 1)])
+    emissions = jnp.take_along_axis(log_probs, jnp.broadcast_to(labels, (log_probs.shape[0],) + labels.shape), -1)
+    previous = jnp.concatenate([jnp.full((n, 2), -1, labels.dtype), labels[:, :-2]], 1)
+    return _Ctc(
+        emissions,
+        labels,
+        (s % 2 == 1) & (s >= 2) & (labels != previous),
+        s <= 2 * target_lengths[:, None],
+        np.asarray(input_lengths, np.int64).reshape(n),
+        target_lengths,
+    )
+
+
+def _shift(x, by: int):
+    """x[..., s - by] along the last axis (-inf where s < by)."""
+    return jnp.concatenate([jnp.full(x.shape[:-1] + (by,), _NEG_INF, x.dtype), x[..., :-by]], -1)
+
+
+def _log_add(*terms):
+    total = terms[0]
+    for term in terms[1:]:
+        total = jnp.logaddexp(total, term)
+    return total
+
+
+def _ctc_alpha(ctc: _Ctc):
+    """(log_alpha (N, T, S'), negative log-likelihood (N,))."""
+    neg_inf = jnp.full(ctc.valid.shape, _NEG_INF, ctc.emissions.dtype)
+    first = jnp.where(jnp.arange(ctc.valid.shape[1]) < 2, ctc.emissions[0], _NEG_INF)
+    first = jnp.where(ctc.valid, first, _NEG_INF)
+
+    def step(alpha, inputs):
+        t, emission = inputs
+        skip = jnp.where(ctc.skip, _shift(alpha, 2), _NEG_INF)
+        new = jnp.where(ctc.valid, _log_add(alpha, _shift(alpha, 1), skip) + emission, _NEG_INF)
+        live = (t < ctc.input_lengths)[:, None]
+        return jnp.where(live, new, alpha), jnp.where(live, new, neg_inf)
+
+    times = jnp.arange(1, ctc.emissions.shape[0])
+    last, rows = lax.scan(step, first, (times, ctc.emissions[1:]))
+    log_alpha = jnp.concatenate([jnp.where((ctc.input_lengths > 0)[:, None], first, neg_inf)[None], rows])
+    end = 2 * ctc.target_lengths
+    final = jnp.take_along_axis(last, end[:, None], 1)[:, 0]
+    before = jnp.take_along_axis(last, jnp.maximum(end - 1, 0)[:, None], 1)[:, 0]
+    before = jnp.where(ctc.target_lengths > 0, before, _NEG_INF)
+    return jnp.moveaxis(log_alpha, 0, 1), -_log_add(final, before)
+
+
+@registry.register(aten._ctc_loss.default)
+def ctc_loss(ctx, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    (log_probs,) = _compute(ctx, log_probs)
+    log_alpha, nll = _ctc_alpha(_ctc_setup(log_probs, targets, input_lengths, target_lengths, blank))
+    return nll, log_alpha
+
+
+@registry.register(aten._ctc_loss_backward.default)
+def ctc_loss_backward(ctx, grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha,
+                      blank, zero_infinity=False):
+    grad, log_probs, nll, log_alpha = _compute(ctx, grad, log_probs, nll, log_alpha)
+    ctc = _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank)
+    end = 2 * ctc.target_lengths[:, None]
+    s = jnp.arange(ctc.valid.shape[1])
+    neg_inf = jnp.full(ctc.valid.shape, _NEG_INF, log_probs.dtype)
+    # beta's skip: from s to s + 2 when l'(s + 2) differs from l'(s).
+    skip_ahead = jnp.concatenate([ctc.skip[:, 2:], jnp.zeros_like(ctc.skip[:, :2])], 1)
+
+    def step(beta, inputs):
+        t, emission = inputs
+        later = jnp.concatenate([beta[:, 1:], neg_inf[:, :1]], 1)
+        skip = jnp.where(skip_ahead, jnp.concatenate([beta[:, 2:], neg_inf[:, :2]], 1), _NEG_INF)
+        new = jnp.where(ctc.valid, _log_add(beta, later, skip) + emission, _NEG_INF)
+        start = jnp.where((s == end) | ((s == end - 1) & (end > 0)), emission, _NEG_INF)
+        last_step = (t == ctc.input_lengths - 1)[:, None]
+        beta = jnp.where(last_step, start, jnp.where((t < ctc.input_lengths - 1)[:, None], new, neg_inf))
+        return beta, beta
+
+    times = jnp.arange(log_probs.shape[0])[::-1]
+    _, betas = lax.scan(step, neg_inf, (times, ctc.emissions[::-1]))
+    log_ab = jnp.moveaxis(log_alpha, 1, 0) + betas[::-1]  # (T, N, S')
+    onehot = jax.nn.one_hot(ctc.labels, log_probs.shape[-1], dtype=bool)  # (N, S', C)
+    lcab = jax.nn.logsumexp(jnp.where(onehot, log_ab[..., None], _NEG_INF), axis=2)
+    out = (jnp.exp(log_probs) - jnp.exp(lcab + nll[:, None] - log_probs)) * grad[:, None]
+    live = jnp.arange(log_probs.shape[0])[:, None] < ctc.input_lengths[None, :]
+    if zero_infinity:
+        live = live & ~jnp.isinf(nll)[None, :]
+    return jnp.where(live[..., None], out, jnp.zeros((), out.dtype))
+
+
+@registry.register_data_dependent(aten._ctc_loss.Tensor)
+def ctc_loss_tensor_lengths(log_probs, targets, input_lengths, target_lengths, blank=0,
+                            zero_infinity=False):
+    """Lengths given as tensors: the outputs' shape depends on the longest target, so the
+    lengths are read to the host (one sync, as ATen's CPU and CUDA kernels also do)."""
+    return aten._ctc_loss.default(log_probs, targets, input_lengths.tolist(),
+                                  target_lengths.tolist(), blank, zero_infinity)
+
+
+@registry.register_data_dependent(aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward_tensor_lengths(grad, log_probs, targets, input_lengths, target_lengths, nll,
+                                     log_alpha, blank, zero_infinity=False):
+    return aten._ctc_loss_backward.default(grad, log_probs, targets, input_lengths.tolist(),
+                                           target_lengths.tolist(), nll, log_alpha, blank,
+                                           zero_infinity)

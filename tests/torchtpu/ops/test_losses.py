@@ -160,3 +160,27 @@ def test_weight_norm_interface_backward():
     same_as_cpu(lambda *a: aten._weight_norm_interface_backward(*a, 0), randn(4, 3, 2), v, g, norms,
                 exact=False)
     grads_same_as_cpu(lambda v, g: torch._weight_norm(v, g, 0), v, g)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_ctc_loss(reduction, zero_infinity):
+    log_probs = torch.log_softmax(randn(12, 3, 6), 2)
+    padded = torch.randint(1, 6, (3, 5), generator=GEN)
+    # With zero_infinity the last alignment is impossible (a target longer than its input):
+    # its loss is inf, zeroed with its gradient. Without, inf losses have NaN gradients on CPU.
+    lengths_in, lengths_target = [12, 9, 4 if zero_infinity else 7], [5, 3, 5]
+    fn = lambda lp, t, i, tl: F.ctc_loss(lp, t, i, tl, reduction=reduction, zero_infinity=zero_infinity)  # noqa: E731
+    check(lambda lp: fn(lp, padded.to(lp.device), lengths_in, lengths_target), log_probs)
+    concatenated = torch.cat([padded[0, :5], padded[1, :3], padded[2, :5]])
+    check(lambda lp: fn(lp, concatenated.to(lp.device), lengths_in, lengths_target), log_probs)
+    # Lengths as tensors (read to the host once) and a blank other than 0.
+    check(lambda lp: F.ctc_loss(lp, padded.to(lp.device) - 1, torch.tensor(lengths_in, device=lp.device),
+                                torch.tensor(lengths_target, device=lp.device), blank=5,
+                                reduction=reduction, zero_infinity=zero_infinity), log_probs)
+
+
+def test_ctc_loss_impossible_alignment_is_infinite():
+    log_probs = torch.log_softmax(randn(3, 1, 4), 2)
+    same_as_cpu(lambda lp: F.ctc_loss(lp, torch.tensor([[1, 2, 3, 1]], device=lp.device), [3], [4],
+                                      reduction="none"), log_probs, exact=False)

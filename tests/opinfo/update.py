@@ -4,6 +4,7 @@ expected failures from it.
     python -m tests.opinfo.update                      # full sweep -> tests/opinfo/sweep_results.json
     python -m tests.opinfo.update --write              # ... and rewrite expected_failures.toml
     python -m tests.opinfo.update --checks float32 --modes strict --samples 4 -k linalg
+    python -m tests.opinfo.update --failed          # re-run only the cases recorded as failed
 
 Cases run in worker processes (`--jobs`), one entry's cases after another so a worker reuses its
 compiled programs; a case that runs longer than `--timeout` or kills its worker is recorded as
@@ -105,23 +106,25 @@ class _Slot:
         self.pending: list[tuple] = []  # this worker's remaining cases of its current entry
 
 
-def _plan(checks: Iterable[str], modes: Iterable[str], selector: str | None) -> list[list[tuple]]:
-    """Cases grouped by entry: [[(entry, check, mode), ...], ...]."""
+def _plan(checks: Iterable[str], modes: Iterable[str], selector: str | None,
+          only: set[tuple] | None) -> list[list[tuple]]:
+    """Cases grouped by entry: [[(entry, check, mode), ...], ...] (of `only`, if given)."""
     groups = []
     for entry, opinfo in harness.entries().items():
         if selector and selector not in entry:
             continue
         group = [(entry, check, mode) for check in checks if harness.CHECKS[check].applies_to(opinfo)
-                 for mode in modes]
+                 for mode in modes if only is None or (entry, check, mode) in only]
         if group:
             groups.append(group)
     return groups
 
 
-def sweep(checks: list[str], modes: list[str], samples: int | None, budget: float | None,
-          jobs: int, timeout: float, selector: str | None = None, log=sys.stderr) -> list[dict]:
-    """Run every case and return one record per case."""
-    groups = _plan(checks, modes, selector)
+def sweep(checks: list[str], modes: list[str], samples: int | None, budget: float | None, jobs: int,
+          timeout: float, selector: str | None = None, only: set[tuple] | None = None,
+          log=sys.stderr) -> list[dict]:
+    """Run every case (of `only`, if given) and return one record per case."""
+    groups = _plan(checks, modes, selector, only)
     total = sum(len(g) for g in groups)
     # Workers spawn (never fork a process that runs jax); the parent never touches a device.
     os.environ.setdefault("TORCHTPU_LOCK_DIR", tempfile.mkdtemp(prefix="torchtpu-sweep-locks-"))
@@ -202,8 +205,16 @@ def merge(path: Path, records: list[dict]) -> list[dict]:
     return sorted(merged.values(), key=key)
 
 
-def save(path: Path, records: list[dict], settings: dict) -> None:
-    payload = {"torch": torch.__version__, "settings": settings, "cases": records}
+def failed_cases(path: Path) -> set[tuple]:
+    """(entry, check, mode) of the cases the results file records as failed."""
+    if not path.exists():
+        return set()
+    return {(r["entry"], r["check"], r["mode"]) for r in json.loads(path.read_text())["cases"]
+            if r["status"] in _FAILED}
+
+
+def save(path: Path, records: list[dict], runs: list[dict]) -> None:
+    payload = {"torch": torch.__version__, "runs": runs, "cases": records}
     path.write_text(json.dumps(payload, indent=0, sort_keys=True) + "\n")
 
 
@@ -250,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before it is killed")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--failed", action="store_true", help="only the cases the results file records as failed")
     parser.add_argument("--write", action="store_true", help="rewrite expected_failures.toml")
     args = parser.parse_args(argv)
     checks = [c for c in args.checks.split(",") if c]
@@ -259,12 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown checks {sorted(unknown)}; expected some of {list(harness.CHECKS)}")
     samples = None if args.samples == "all" else int(args.samples)
     start = time.perf_counter()
-    records = sweep(checks, modes, samples, args.budget, args.jobs, args.timeout, args.selector)
+    only = failed_cases(args.results) if args.failed else None
+    records = sweep(checks, modes, samples, args.budget, args.jobs, args.timeout, args.selector, only)
     elapsed = time.perf_counter() - start
-    settings = {"samples": args.samples, "budget": args.budget, "last_run_seconds": round(elapsed),
-                "last_run": {"checks": checks, "modes": modes, "selector": args.selector, "jobs": args.jobs}}
-    merged = merge(args.results, records)
-    save(args.results, merged, settings)
+    run = {"checks": checks, "modes": modes, "samples": args.samples, "budget": args.budget,
+           "selector": args.selector, "failed_only": args.failed, "jobs": args.jobs,
+           "cases": len(records), "seconds": round(elapsed)}
+    runs = json.loads(args.results.read_text()).get("runs", []) if args.results.exists() else []
+    save(args.results, merge(args.results, records), runs + [run])
     counts: dict[str, int] = {}
     for r in records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1

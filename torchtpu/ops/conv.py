@@ -151,7 +151,7 @@ def col2im(ctx, cols, output_size, kernel_size, dilation, padding, stride):
         (size - d * (k - 1) - 1) // s + 1
         for size, k, d, s in zip(padded, kernel_size, dilation, stride)
     ]
-    cols = cols.reshape(batch + (-1, kh, kw) + tuple(blocks))
+    cols = cols.reshape(batch + (cols.shape[-2] // (kh * kw), kh, kw) + tuple(blocks))
     zero = jnp.zeros((), cols.dtype)
     out = None
     for i in range(kh):

@@ -405,8 +405,7 @@ def linalg_lstsq(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *
         inverse = torch.where(kept, 1 / torch.where(kept, s, 1), 0)
         solution = vh.mT @ (inverse.unsqueeze(-1) * (u.mT @ rhs))
         rank = kept.sum(-1)
-        empty = a.new_empty(0)
-        residuals = empty
+        residuals = a.new_empty(0)
         if driver != "gelsy" and m > n and bool((rank == n).all()):
             residuals = ((a @ solution - rhs) ** 2).sum(-2)
             residuals = residuals.squeeze(-1) if vector else residuals
@@ -415,5 +414,5 @@ def linalg_lstsq(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *
         solution,
         residuals,
         rank if driver != "gels" else a.new_empty(0, dtype=torch.int64),
-        s if driver in ("gelsd", "gelss") else empty,
+        s if driver in ("gelsd", "gelss") else a.new_empty(0),
     )

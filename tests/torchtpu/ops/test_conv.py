@@ -98,4 +98,5 @@ def test_fold(kernel, dilation, padding, stride):
     fold = lambda c: F.fold(c, (9, 8), kernel, dilation, padding, stride)  # noqa: E731
     same_as_cpu(fold, cols)
     same_as_cpu(fold, cols[0])  # unbatched
+    same_as_cpu(fold, cols[:0])  # empty batch
     grads_same_as_cpu(fold, cols)

@@ -1,0 +1,342 @@
+"""Fused, sharded SparseCore embedding collections on `tpu`, with TorchRec types in and out.
+
+`SparseCoreEmbeddingBagCollection` (pooled, returns a `KeyedTensor`) and
+`SparseCoreEmbeddingCollection` (unpooled, returns `Dict[str, JaggedTensor]`) take a TorchRec
+`KeyedJaggedTensor` (or a `SparseCoreBatch` preprocessed ahead of time) and behave like TorchRec's
+unsharded modules with FBGEMM's fused optimizer:
+
+* tables are MOD-sharded over every SparseCore of every device of the mesh (`torchtpu.sharding`),
+  stacked automatically (`stacking="auto"`), one per stack (`"none"`) or as `StackGroup`s say;
+* the optimizer (a `sparsecore.optimizers` spec) is applied inside `loss.backward()`;
+  `fused_optimizer` is a TorchRec `FusedOptimizer`, `set_learning_rate` changes the rate without
+  recompiling;
+* `state_dict()` holds each table unstacked and unsharded, on the host, under TorchRec's names
+  (`embedding_bags.<table>.weight` / `embeddings.<table>.weight`); `load_state_dict` takes them.
+  Sharded checkpoints are in `embeddings.checkpoint`.
+
+Outputs hold this process's samples: with one process, a tensor sharded over its devices (rows
+split by device); with several, this process's rows on its first tpu device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+from embeddings.config import SparseCoreEmbeddingConfig, TableConfig, as_sparsecore_config, embedding_names
+from embeddings.distributed import process_rows
+from embeddings.input import SparseCoreBatch, SparseCorePreprocessor
+from embeddings.lookup import fused_lookup
+from embeddings.ops import StackComputation, register_stack
+from embeddings.optim import SparseCoreFusedOptimizer
+from embeddings.state import StackedState
+from sparsecore.api import SparseCoreEmbedding
+from sparsecore.layout import FeaturePlacement, StackGroup, auto_stack_groups, stack_tables
+from sparsecore.optimizers import SGD, OptimizerSpec
+from sparsecore.topology import CHIP_PRESETS, Topology
+from torchtpu import runtime, sharding
+
+__all__ = ["SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection", "runtime_topology"]
+
+Stacking = str | Sequence[StackGroup]
+
+
+def runtime_topology(sparsecores_per_device: int = 4) -> Topology:
+    """The topology of the tpu mesh: every process's devices, this process's as local. On the CPU
+    stand-in each device plays a chip with `sparsecores_per_device` SparseCores; on a TPU the
+    chip comes from the device kind (UNTESTED: no TPU here)."""
+    rt = runtime.runtime()
+    devices = sharding.mesh_devices()
+    if rt.on_tpu:
+        kind = devices[0].device_kind.lower()
+        names = {"v4": "v4", "v5p": "v5p", "v5": "v5p", "v6": "v6e", "7x": "tpu7x"}
+        name = next((preset for marker, preset in names.items() if marker in kind), None)
+        if name is None:
+            raise ValueError(f"unknown TPU generation {devices[0].device_kind!r}; pass a Topology")
+        return Topology(CHIP_PRESETS[name], len(devices), len(rt.devices))
+    return Topology.cpu(len(devices), sparsecores_per_device, local_device_count=len(rt.devices))
+
+
+class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
+    """What both collections share: layout, state, preprocessing, the fused lookup."""
+
+    _PREFIX: ClassVar[str]
+    _POOLED: ClassVar[bool]
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        batch_size: int,
+        optimizer: OptimizerSpec | None = None,
+        stacking: Stacking = "auto",
+        topology: Topology | None = None,
+        is_weighted: bool = False,
+        allow_id_dropping: bool = False,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if device is not None and torch.device(device).type != "tpu":
+            raise ValueError(f"SparseCore embedding tables live on the tpu device, not {device}")
+        self._check_kinds(tables)
+        configs = [as_sparsecore_config(table) for table in tables]
+        self._check_names(configs)
+        optimizer = optimizer if optimizer is not None else SGD()
+        topology = topology if topology is not None else runtime_topology()
+        self._check_topology(topology)
+        self._configs = configs
+        self._is_weighted = is_weighted
+        self._batch_size = batch_size
+        names_by_table = embedding_names(configs)
+        self._embedding_names_by_table = names_by_table
+        global_batch = batch_size * topology.num_hosts
+        features = []
+        for config, names in zip(configs, names_by_table):
+            features.extend(config.feature_specs(config.table_spec(optimizer), names, global_batch))
+        stacks = stack_tables(features, topology, _stack_groups(stacking, features, topology))
+        engine = SparseCoreEmbedding(stacks, topology, mesh=sharding.mesh())
+        self._computations: dict[str, StackComputation] = {s.name: register_stack(engine, s.name) for s in stacks}
+        host_init = {c.name: c.host_initializer for c in configs if c.host_initializer is not None}
+        self._state = StackedState(engine, self._computations, optimizer, seed, host_init)
+        self._preprocessor = SparseCorePreprocessor(
+            engine,
+            {key: names for key, names in _readers(configs, names_by_table).items()},
+            batch_size,
+            {name: c.max_seq_len for c, names in zip(configs, names_by_table) if not c.pooled for name in names},
+            weighted=is_weighted,
+            allow_id_dropping=allow_id_dropping,
+        )
+        self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, [c.name for c in configs], self._PREFIX)
+        self._placements: dict[str, tuple[str, FeaturePlacement]] = {
+            placement.feature.name: (stack.name, placement) for stack in stacks for placement in stack.features
+        }
+
+    def _check_kinds(self, tables: Sequence[TableConfig]) -> None:
+        kind = EmbeddingBagConfig if self._POOLED else EmbeddingConfig
+        wrong = [
+            getattr(table, "name", table)
+            for table in tables
+            if not isinstance(table.config if isinstance(table, SparseCoreEmbeddingConfig) else table, kind)
+        ]
+        if wrong:
+            raise ValueError(f"{type(self).__name__} takes {kind.__name__}s; table(s) {wrong} are not")
+
+    def _check_names(self, configs: list[SparseCoreEmbeddingConfig]) -> None:
+        names = [c.name for c in configs]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if not configs or repeated:
+            raise ValueError(f"{type(self).__name__} needs tables with distinct names, got {names}")
+
+    @staticmethod
+    def _check_topology(topology: Topology) -> None:
+        devices = len(sharding.mesh_devices())
+        local = len(runtime.runtime().devices)
+        if (topology.global_device_count, topology.local_device_count) != (devices, local):
+            raise ValueError(
+                f"the topology has {topology.global_device_count} devices ({topology.local_device_count} in this "
+                f"process) but the tpu mesh has {devices} ({local} in this process)"
+            )
+
+    # -- TorchRec interface ---------------------------------------------------------------------
+
+    @property
+    def fused_optimizer(self) -> SparseCoreFusedOptimizer:
+        return self._fused_optimizer
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Change the learning rate of the fused update (a runtime input: nothing recompiles)."""
+        self._fused_optimizer.param_groups[0]["lr"] = float(learning_rate)
+        self._state.set_hyperparameter("learning_rate", learning_rate)
+
+    @property
+    def stacked_state(self) -> StackedState:
+        """The stacked, sharded tables, slots and hyper-parameters (see `embeddings.state`)."""
+        return self._state
+
+    @property
+    def stacks(self) -> dict[str, tuple[str, ...]]:
+        """The tables of each stack, by stack name."""
+        return {name: c.stack.table_names for name, c in self._computations.items()}
+
+    @property
+    def dropped_ids(self) -> int:
+        """Ids dropped by the partition limits so far (only with `allow_id_dropping`)."""
+        return self._preprocessor.dropped_ids
+
+    def prepare(self, features: KeyedJaggedTensor) -> SparseCoreBatch:
+        """Preprocess a KJT on the host into this module's buffers on `tpu` (what a prefetching
+        loader calls ahead of the training step)."""
+        return self._preprocessor(features)
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    @torch._dynamo.disable
+    def _batch(self, features: KeyedJaggedTensor | SparseCoreBatch) -> SparseCoreBatch:
+        """Host preprocessing (a graph break under `torch.compile`)."""
+        if isinstance(features, SparseCoreBatch):
+            return features
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"expected a KeyedJaggedTensor or a SparseCoreBatch, got {type(features).__name__}")
+        return self._preprocessor(features)
+
+    def _feature_rows(self, batch: SparseCoreBatch) -> dict[str, torch.Tensor]:
+        """Each feature's activations for this process's samples: `[rows, dim]`, sample-major."""
+        local_sparsecores = self._state.engine.topology.local_sparsecores
+        out = {}
+        for name, computation in self._computations.items():
+            stack = computation.stack
+            activations = process_rows(fused_lookup(computation, self._state, batch.buffers[name]))
+            per_sparsecore = activations.view(local_sparsecores, stack.batch_size_per_sparsecore, stack.embedding_dim)
+            for placement in stack.features:
+                start = placement.sample_offset_in_sparsecore
+                rows = per_sparsecore[:, start : start + placement.samples_per_sparsecore, : placement.feature.table.embedding_dim]
+                out[placement.feature.name] = rows.reshape(-1, placement.feature.table.embedding_dim)
+        return out
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _weight_key(self, table: str) -> str:
+        return f"{self._PREFIX}{table}.weight"
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """Each table unstacked and unsharded, on the host (every process must call together)."""
+        for config in self._configs:
+            where = self._state.table_slot(config.name, None)
+            destination[prefix + self._weight_key(config.name)] = torch.from_numpy(self._state.to_host(where))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        ours = {prefix + self._weight_key(c.name): c.name for c in self._configs}
+        for key, table in ours.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key].detach()
+            where = self._state.table_slot(table, None)
+            if tuple(value.shape) != where.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                  f"the table is {where.shape}")
+                continue
+            self._state.load_host(where, value.to("cpu", torch.float32).numpy())
+        children = tuple(f"{prefix}{name}." for name in self._modules)
+        unexpected_keys.extend(
+            key for key in state_dict if key.startswith(prefix) and key not in ours and not key.startswith(children)
+        )
+
+
+class SparseCoreEmbeddingBagCollection(_SparseCoreCollection):
+    """Pooled embeddings of a KJT's features as a TorchRec `KeyedTensor`, like TorchRec's
+    `EmbeddingBagCollection`, fused and sharded on SparseCores.
+
+    `tables`: TorchRec `EmbeddingBagConfig`s, or `SparseCoreEmbeddingConfig`s wrapping them with
+    limits. `batch_size`: samples per batch of this process (the layout is static). `optimizer`:
+    a `sparsecore.optimizers` spec (default `SGD()`). `stacking`: "auto", "none" or `StackGroup`s.
+    `topology`: default `runtime_topology()`. `is_weighted`: KJTs carry per-id weights (pooled as
+    SparseCore does: mean divides by the weights' sum). `allow_id_dropping`: ids past a partition
+    limit are dropped and counted instead of raising. `seed`: of the on-device initialisation.
+    """
+
+    _PREFIX = "embedding_bags."
+    _POOLED = True
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig | SparseCoreEmbeddingConfig], batch_size: int,
+                 **kwargs: Any) -> None:
+        super().__init__(tables, batch_size, **kwargs)
+        self._names = [name for names in self._embedding_names_by_table for name in names]
+        self._dims = [c.config.embedding_dim for c, names in zip(self._configs, self._embedding_names_by_table)
+                      for _ in names]
+
+    def forward(self, features: KeyedJaggedTensor | SparseCoreBatch) -> KeyedTensor:
+        rows = self._feature_rows(self._batch(features))
+        values = torch.cat([rows[name] for name in self._names], dim=1)
+        return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return [c.config for c in self._configs]
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+
+class SparseCoreEmbeddingCollection(_SparseCoreCollection):
+    """Unpooled embeddings of a KJT's features as `Dict[str, JaggedTensor]`, like TorchRec's
+    `EmbeddingCollection`, fused and sharded on SparseCores.
+
+    `tables`: `SparseCoreEmbeddingConfig`s wrapping TorchRec `EmbeddingConfig`s with `max_seq_len`
+    (every sample's ids are looked up as a static `[batch, max_seq_len]` block and the real ones
+    selected; a longer sample is an error). `need_indices`: each `JaggedTensor` carries the ids as
+    its weights (TorchRec's behaviour). Other arguments as `SparseCoreEmbeddingBagCollection`.
+    """
+
+    _PREFIX = "embeddings."
+    _POOLED = False
+
+    def __init__(self, tables: Sequence[SparseCoreEmbeddingConfig], batch_size: int, need_indices: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(tables, batch_size, **kwargs)
+        self._need_indices = need_indices
+        self._outputs = [
+            (key, name)
+            for config, names in zip(self._configs, self._embedding_names_by_table)
+            for key, name in zip(config.feature_names, names)
+        ]
+
+    def forward(self, features: KeyedJaggedTensor | SparseCoreBatch) -> dict[str, JaggedTensor]:
+        batch = self._batch(features)
+        rows = self._feature_rows(batch)
+        return {
+            name: JaggedTensor(
+                values=rows[name].index_select(0, batch.sequence_rows[name]),
+                lengths=batch.lengths[key],
+                weights=batch.ids[key] if self._need_indices else None,
+            )
+            for key, name in self._outputs
+        }
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return [c.config for c in self._configs]
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self._configs[0].config.embedding_dim
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(names) for names in self._embedding_names_by_table]
+
+
+def _stack_groups(stacking: Stacking, features: list, topology: Topology) -> tuple[StackGroup, ...]:
+    if isinstance(stacking, str):
+        if stacking == "auto":
+            return auto_stack_groups(features, topology)
+        if stacking == "none":
+            return ()
+        raise ValueError(f"stacking must be 'auto', 'none' or a sequence of StackGroup, got {stacking!r}")
+    groups = tuple(stacking)
+    if not all(isinstance(group, StackGroup) for group in groups):
+        raise ValueError(f"stacking groups must be sparsecore StackGroups, got {groups}")
+    return groups
+
+
+def _readers(configs: list[SparseCoreEmbeddingConfig], names_by_table: list[tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """KJT key -> the features (embedding names) that read it."""
+    readers: dict[str, list[str]] = {}
+    for config, names in zip(configs, names_by_table):
+        for key, name in zip(config.feature_names, names):
+            readers.setdefault(key, []).append(name)
+    return {key: tuple(names) for key, names in readers.items()}

@@ -168,7 +168,16 @@ class SparseCoreEmbedding:
 
     def place_tables(self, values: Mapping[str, np.ndarray]) -> Tables:
         """Stacked, sharded tables from unstacked values `[vocab, dim]` by table name."""
-        return {name: self._place(stack_and_shard(stack, values, pad_value=0.0)) for name, stack in self.stacks.items()}
+        known = {table for stack in self.stacks.values() for table in stack.table_names}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"values for unknown table(s) {unknown}; the stacks hold {sorted(known)}")
+        return {
+            name: self._place(
+                stack_and_shard(stack, {t: values[t] for t in stack.table_names if t in values}, pad_value=0.0)
+            )
+            for name, stack in self.stacks.items()
+        }
 
     def place_slots(self, values: Mapping[str, Mapping[str, np.ndarray]], step: int = 0) -> Slots:
         """Optimizer state from unstacked values by table name, then slot name; `step` updates

@@ -53,7 +53,7 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
         }
         self._param_group: dict[str, Any] = {
             "params": list(self._params.values()),
-            "lr": state.hyperparameter("learning_rate"),
+            "lr": float(optimizer.learning_rate),
         }
         self._snapshot: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.defaults: dict[str, Any] = {"_save_param_groups": False}

@@ -1,0 +1,101 @@
+"""Host preprocessing of KJTs: bad input raises naming the feature or table and the observed vs
+configured values; drops happen only when allowed, and are counted; a batch preprocessed ahead
+gives the same lookup as the KJT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from _references import bag_tables, kjt_keys, random_kjt
+from embeddings import SparseCoreBatch, SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection, SparseCoreEmbeddingConfig
+from embeddings.ops import BUFFERS
+from sparsecore.preprocess import PartitionLimitError
+
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def ebc():
+    return SparseCoreEmbeddingBagCollection(bag_tables(), batch_size=BATCH)
+
+
+def test_prepared_batch_is_sharded_buffers_and_gives_the_same_lookup(ebc):
+    kjt = random_kjt(np.random.default_rng(0), kjt_keys(bag_tables()), BATCH)
+    batch = ebc.prepare(kjt)
+    assert isinstance(batch, SparseCoreBatch) and set(batch.buffers) == set(ebc.stacks)
+    for buffers in batch.buffers.values():
+        assert len(buffers) == len(BUFFERS)
+        assert all(t.device.type == "tpu" and t.shape[0] == 4 for t in buffers)
+    assert batch.dropped_ids == 0
+    assert torch.equal(ebc(batch).values().cpu(), ebc(kjt).values().cpu())
+
+
+def test_kjt_keys_must_match_the_features(ebc):
+    rng = np.random.default_rng(1)
+    keys = kjt_keys(bag_tables())
+    with pytest.raises(ValueError, match=r"missing \['f3'\], unexpected \['zz'\]"):
+        ebc(random_kjt(rng, keys[:3] + [("zz", 10)], BATCH))
+
+
+def test_batch_size_must_match(ebc):
+    kjt = random_kjt(np.random.default_rng(2), kjt_keys(bag_tables()), 16)
+    with pytest.raises(ValueError, match="holds 16 samples, but the module was built for a batch of 32 per process"):
+        ebc(kjt)
+
+
+def test_ids_out_of_range_name_the_feature_and_table(ebc):
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2", "f3"],
+        values=torch.tensor([3, 200, 1, 2]),
+        lengths=torch.tensor([1] + [0] * 31 + [1] + [0] * 31 + [1] + [0] * 31 + [1] + [0] * 31),
+    )
+    with pytest.raises(ValueError, match=r"feature 'f1': id 200 \(position 0\) is outside the vocabulary \[0, 200\) of table 't1'"):
+        ebc(kjt)
+
+
+def test_weighted_module_needs_weights():
+    ebc = SparseCoreEmbeddingBagCollection(bag_tables()[:1], batch_size=BATCH, is_weighted=True)
+    with pytest.raises(ValueError, match="is weighted.*has no weights"):
+        ebc(random_kjt(np.random.default_rng(3), kjt_keys(bag_tables()[:1]), BATCH))
+
+
+def _hot_kjt() -> KeyedJaggedTensor:
+    """Every sample reads the same 8 rows of one MOD shard (rows 0, 16, ..., 112 of 16
+    SparseCores): each SparseCore sends 2 samples x 8 rows = 16 ids to that partition."""
+    return KeyedJaggedTensor(
+        keys=["f"], values=torch.arange(0, 128, 16).repeat(BATCH), lengths=torch.full((BATCH,), 8),
+    )
+
+
+def test_partition_limit_raises_or_drops_and_counts():
+    table = EmbeddingBagConfig(name="t", num_embeddings=256, embedding_dim=8, feature_names=["f"])
+    config = SparseCoreEmbeddingConfig(table, max_ids_per_partition=8, max_unique_ids_per_partition=8)
+    strict = SparseCoreEmbeddingBagCollection([config], batch_size=BATCH)
+    with pytest.raises(PartitionLimitError, match="max_ids_per_partition") as error:
+        strict(_hot_kjt())
+    assert "16" in str(error.value) and "'t'" in str(error.value)
+    dropping = SparseCoreEmbeddingBagCollection([config], batch_size=BATCH, allow_id_dropping=True)
+    batch = dropping.prepare(_hot_kjt())
+    assert batch.dropped_ids > 0 and dropping.dropped_ids == batch.dropped_ids
+    observed = max(int(stats.max_ids_per_partition.max()) for stats in batch.stats.values())
+    assert observed == 16 and batch.dropped_ids == 16 * (16 - 8)
+    out = dropping(batch).values()
+    assert out.shape == (BATCH, 8)
+
+
+def test_sequences_longer_than_max_seq_len_are_rejected():
+    table = EmbeddingConfig(name="s", num_embeddings=32, embedding_dim=8, feature_names=["q"])
+    ec = SparseCoreEmbeddingCollection([SparseCoreEmbeddingConfig(table, max_seq_len=3)], batch_size=BATCH)
+    kjt = KeyedJaggedTensor(keys=["q"], values=torch.zeros(4, dtype=torch.int64),
+                            lengths=torch.tensor([4] + [0] * (BATCH - 1)))
+    with pytest.raises(ValueError, match="feature 'q': sample 0 has 4 ids, more than its max_sequence_length 3"):
+        ec(kjt)
+
+
+def test_forward_rejects_other_inputs(ebc):
+    with pytest.raises(TypeError, match="expected a KeyedJaggedTensor or a SparseCoreBatch, got dict"):
+        ebc({"f0": torch.zeros(1)})

@@ -4,8 +4,9 @@ A Python `ProcessGroup` (PyTorch's trampoline forwards C++ callers -- DDP's redu
 `_broadcast_coalesced` -- to these methods too). It checks each call's arguments and routes it:
 
 - `tpu` tensors go to the group's transport. On TPU that is the XLA transport (collectives
-  compiled across the chips of a global mesh; UNTESTED, there is no TPU here); everywhere else it
-  is the host transport (gloo over host buffers), which is what the CPU stand-in runs.
+  compiled across the chips of a global mesh; never run on a TPU, there is none here, but tested
+  on the CPU stand-in's multi-process JAX runtime); everywhere else it is the host transport
+  (gloo over host buffers), which is what the CPU stand-in runs by default.
 - `cpu` tensors go straight to gloo when the group was created for them
   (`init_process_group("cpu:gloo,tpu:tpu_dist")`); a tpu-only group rejects them.
 
@@ -16,6 +17,7 @@ the device of its first tpu collective and rejects tensors on any other.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Sequence
 
@@ -28,6 +30,7 @@ from torchtpu.distributed.host_transport import HostTransport
 from torchtpu.distributed.work import CollectiveError
 
 BACKEND_NAME = "tpu_dist"
+TRANSPORT_ENV = "TORCHTPU_DIST_TRANSPORT"
 
 Tensors = Sequence[torch.Tensor]
 
@@ -38,7 +41,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self._transport = _transport(self._gloo, store, rank, size, timeout)
+        self._transport = _transport(self._gloo, store, rank, size)
         self._device: torch.device | None = None
         self._served: frozenset[str] | None = None
         self._closed = False
@@ -205,13 +208,19 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._route("recv", tensors).recv_anysource(tensors, tag)
 
 
-def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int, timeout: timedelta):
-    """The one switch: XLA collectives on TPU, gloo over host buffers everywhere else."""
+def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int):
+    """The one switch: XLA collectives on TPU, gloo over host buffers everywhere else.
+
+    `TORCHTPU_DIST_TRANSPORT=xla` (or `host`) overrides it: the tests run the XLA transport on
+    the CPU stand-in, whose multi-process JAX runtime runs XLA collectives over gloo."""
     from torchtpu.distributed import xla_transport
 
-    if xla_transport.on_tpu():
-        return xla_transport.XlaTransport(gloo, store, rank, size, timeout)
-    return HostTransport(gloo, rank)
+    choice = os.environ.get(TRANSPORT_ENV) or ("xla" if xla_transport.on_tpu() else "host")
+    if choice == "xla":
+        return xla_transport.XlaTransport(gloo, store, rank, size)
+    if choice == "host":
+        return HostTransport(gloo, rank)
+    raise ValueError(f"{TRANSPORT_ENV}={choice!r}: expected 'xla' or 'host'")
 
 
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupTPU:

@@ -59,14 +59,16 @@ def check_reduce_op(op: str, dtype) -> None:
         raise ValueError(f"reduce op {op} needs an integer dtype, got {np.dtype(dtype).name}")
 
 
-def _reduce(x, op: str):
-    """All-reduce of the local value `x` over the ranks axis."""
+def _reduce(x, op: str, world: int):
+    """All-reduce of the local value `x` over the ranks axis (of `world` ranks)."""
     if x.dtype == jnp.bool_:
-        return _reduce(x.astype(jnp.int32), "max" if op in ("sum", "bor") else op) != 0
+        return _reduce(x.astype(jnp.int32), "max" if op in ("sum", "bor") else op, world) != 0
     if op == "sum":
         return lax.psum(x, AXIS)
     if op == "avg":
-        return lax.pmean(x, AXIS)
+        # The sum, then a division (XLA may multiply by the reciprocal instead: PyTorch's
+        # correctly rounded quotient can differ in the last bit).
+        return lax.psum(x, AXIS) / world
     if op == "max":
         return lax.pmax(x, AXIS)
     if op == "min":
@@ -77,7 +79,7 @@ def _reduce(x, op: str):
 @functools.lru_cache(maxsize=None)
 def all_reduce(mesh: Mesh, op: str):
     """[world, ...] -> [world, ...]: every row becomes the reduction of all rows."""
-    return _sharded(mesh, lambda x: _reduce(x[0], op)[None])
+    return _sharded(mesh, lambda x: _reduce(x[0], op, mesh.devices.size)[None])
 
 
 @functools.lru_cache(maxsize=None)

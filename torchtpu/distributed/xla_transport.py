@@ -1,15 +1,16 @@
 """The XLA transport: tpu_dist collectives as XLA programs across TPU chips.
 
-UNTESTED: only a TPU takes this path (`on_tpu()`, the one switch, read by
-`process_group._transport`), and there is no TPU on the development machines. The programs it
-runs (`xla_collectives`) are tested on the CPU platform's virtual devices; the multi-process
-plumbing below has never run.
+Only a TPU takes this path by default (`on_tpu()`, the one switch, read by
+`process_group._transport`), and there is no TPU on the development machines: it has never run
+on TPU hardware. It is tested on the CPU stand-in instead (`TORCHTPU_DIST_TRANSPORT=xla`), where
+JAX's multi-process runtime runs the same XLA collectives over gloo; what stays untested is what
+only a TPU has (ICI/DCN collectives, one chip per process, the TPU chip scan in `on_tpu`).
 
 Set-up. Collectives between processes need JAX's multi-controller runtime, which must start
 before the TPU backend does: the first tpu_dist group (the default group, created by
-`init_process_group`) starts it, with the coordinator address that rank 0 publishes through
-torch's store, so any launcher that gives torch a store works. Each process drives one chip
-(`LOCAL_RANK`, as torchrun sets it).
+`init_process_group`) configures the runtime to join it (`runtime.configure_distributed`), with
+the coordinator address that rank 0 publishes through torch's store, so any launcher that gives
+torch a store works (the runtime raises a clear error if it already started on its own).
 
 A collective stacks this process's value into a global array over the mesh of every rank's
 device (`jax.make_array_from_single_device_arrays`), runs the program, and copies this process's
@@ -56,31 +57,16 @@ def on_tpu() -> bool:
     return chips > 0
 
 
-def _start_multi_controller(store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
-    import jax
-
-    if jax.distributed.is_initialized():
-        return
-    if runtime.is_started():
-        raise RuntimeError(
-            "tpu_dist on TPU: the tpu device was used before init_process_group, but JAX's "
-            "multi-process runtime must start before the TPU backend. Call "
-            "dist.init_process_group before creating tpu tensors or calling torch.tpu.set_device."
-        )
+def _join_multi_controller(store: dist.Store, rank: int, size: int) -> None:
+    """Have the runtime join JAX's multi-controller runtime when it starts; rank 0 publishes the
+    coordinator address (its MASTER_ADDR and a free port) through the group's store."""
     key = "xla/coordinator"
     if rank == 0:
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        host = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-        store.set(key, f"{host}:{port}")
-    jax.distributed.initialize(
-        coordinator_address=store.get(key).decode(),
-        num_processes=size,
-        process_id=rank,
-        local_device_ids=[int(os.environ.get("LOCAL_RANK", "0"))],
-        initialization_timeout=int(timeout.total_seconds()),
-    )
+        store.set(key, f"{os.environ.get('MASTER_ADDR') or socket.getfqdn()}:{port}")
+    runtime.configure_distributed(runtime.DistributedConfig(store.get(key).decode(), size, rank))
 
 
 def _op_name(op: dist.ReduceOp) -> str:
@@ -91,11 +77,11 @@ def _op_name(op: dist.ReduceOp) -> str:
 
 
 class XlaTransport:
-    """c10d collectives on tpu tensors as XLA collectives across the ranks' chips (UNTESTED)."""
+    """c10d collectives on tpu tensors as XLA collectives across the ranks' devices."""
 
-    def __init__(self, gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int,
-                 timeout: timedelta) -> None:
-        _start_multi_controller(store, rank, size, timeout)
+    def __init__(self, gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int) -> None:
+        if not dist.is_initialized():  # the default group, being created by init_process_group
+            _join_multi_controller(store, rank, size)
         self._gloo = gloo
         self._rank = rank
         self._size = size
@@ -118,12 +104,14 @@ class XlaTransport:
         return self._mesh
 
     def _stacked(self, mesh, value):
-        """The global `[world, ...]` array whose row `rank` is this process's `value`."""
+        """The global `[world, ...]` array whose row `rank` is this process's `value` (placed on
+        this rank's device: JAX may leave results of empty arrays on its default device)."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
         sharding = NamedSharding(mesh, PartitionSpec(programs.AXIS))
-        return jax.make_array_from_single_device_arrays((self._size, *value.shape), sharding, [value[None]])
+        row = self._on_device(mesh, value[None])
+        return jax.make_array_from_single_device_arrays((self._size, *value.shape), sharding, [row])
 
     @staticmethod
     def _mine(stacked):
@@ -223,7 +211,7 @@ class XlaTransport:
         mine = flat.reshape(-1, row)
         mine = jnp.pad(mine, ((0, rows_in - mine.shape[0]), (0, 0)))
         send, recv = programs.ragged_indices(sends, self._rank, block, rows_out)
-        args = [self._stacked(mesh, a) for a in (mine, self._on_device(mesh, send), self._on_device(mesh, recv))]
+        args = [self._stacked(mesh, a) for a in (mine, send, recv)]
         received = self._mine(programs.ragged_all_to_all(mesh)(*args))
         return received[: int(sends[:, self._rank].sum())].reshape(-1)
 

@@ -17,6 +17,7 @@ limit are killed and the test fails, so a hang can never stall the suite.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import tempfile
@@ -65,4 +66,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, lock_root: str, 
         TORCHTPU_NUM_DEVICES=str(devices),
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
-    fn(rank, world_size, *args)
+    # JAX's multi-process runtime waits at exit for every process to leave it. A failed rank
+    # leaves at once instead (its error is already recorded), so the test sees the error rather
+    # than a time-out of the ranks it left behind.
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        atexit.register(os._exit, 1)
+        raise

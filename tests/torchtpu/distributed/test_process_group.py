@@ -22,6 +22,11 @@ def test_collectives_match_gloo_bit_for_bit_and_uneven_all_to_all_is_exact(world
     run_ranks(workers.collectives_and_all_to_all, world_size, modes, 200)
 
 
+def test_xla_transport_matches_gloo_on_the_cpu_stand_in():
+    """The TPU's transport, on JAX's multi-process runtime (XLA collectives over gloo)."""
+    run_ranks(workers.xla_transport_vs_gloo, 3, 20)
+
+
 def test_errors_are_clear_and_do_not_hang():
     run_ranks(workers.errors, 2)
 

@@ -160,10 +160,11 @@ def _cholesky_info(a, upper: bool):
 @registry.register(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(ctx, x, *, upper=False, check_errors=False):
     factor = _cholesky(x, upper)
+    success = jnp.zeros(x.shape[:-2], np.int32)
+    if x.shape[-1] == 0:
+        return factor, success
     failed = jnp.any(jnp.isnan(jnp.diagonal(factor, axis1=-2, axis2=-1)))
-    info = lax.cond(failed, lambda: _cholesky_info(x, upper),
-                    lambda: jnp.zeros(x.shape[:-2], np.int32))
-    return factor, info
+    return factor, lax.cond(failed, lambda: _cholesky_info(x, upper), lambda: success)
 
 
 @registry.register(aten.cholesky.default)

@@ -77,9 +77,9 @@ def _linear(size, out, align_corners, scale, dt) -> Taps:
     return Taps(np.stack([i0, i1], 1), np.stack([dt(1) - lam, lam], 1))
 
 
-def _cubic_weights(t, a: float, dt):
-    """Cubic convolution weights of the taps at -1, 0, 1, 2 for fractional offsets t."""
-    a = dt(a)
+def _cubic_weights(t, a: float = -0.75):
+    """Cubic convolution weights of the taps at offsets -1, 0, 1, 2 from floor(x), for the
+    fractional part t of x (numpy or jax arrays); ATen's A is -0.75."""
 
     def near(x):  # |x| <= 1
         return ((a + 2) * x - (a + 3)) * x * x + 1
@@ -87,15 +87,15 @@ def _cubic_weights(t, a: float, dt):
     def far(x):  # 1 < |x| < 2
         return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
 
-    one = dt(1)
-    return np.stack([far(t + one), near(t), near(one - t), far(one - t + one)], 1)
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
 
 
 def _cubic(size, out, align_corners, scale, dt) -> Taps:
     src = _source(_area_scale(size, out, align_corners, scale, dt), out, align_corners, True, dt)
     base = np.floor(src)
     index = base.astype(np.int64)[:, None] + np.arange(-1, 3)[None, :]
-    return Taps(np.clip(index, 0, size - 1), _cubic_weights(src - base, -0.75, dt))
+    weights = np.stack(_cubic_weights(src - base), 1).astype(dt)
+    return Taps(np.clip(index, 0, size - 1), weights)
 
 
 def _aa_linear_filter(x):
@@ -250,13 +250,8 @@ def _grid_taps(coord, size: int, mode: int, padding_mode: int, align_corners: bo
     x = _unnormalize(coord, size, align_corners)
     if mode == BICUBIC:
         base = jnp.floor(x)
-        t = x - base
-        a = -0.75
-        near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1  # noqa: E731
-        far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a  # noqa: E731
-        weights = (far(t + 1), near(t), near(1 - t), far(2 - t))
         return [(_pad_coordinate(base + k, size, padding_mode, align_corners), w)
-                for k, w in zip(range(-1, 3), weights)]
+                for k, w in zip(range(-1, 3), _cubic_weights(x - base))]
     x = _pad_coordinate(x, size, padding_mode, align_corners)
     if mode == NEAREST:
         return [(jnp.round(x), None)]

@@ -29,8 +29,7 @@ def check(fn, x):
 
 
 # (kernel, stride, padding, dilation, ceil_mode)
-MAX_SETTINGS = [(3, 2, 1, 1, False), (3, 2, 1, 1, True), (2, 2, 0, 1, False), (3, 1, 1, 2, True),
-                (2, 3, 1, 1, True)]
+MAX_SETTINGS = [(3, 2, 1, 1, True), (2, 2, 0, 1, False), (3, 1, 1, 2, True), (2, 3, 1, 1, True)]
 
 
 @pytest.mark.parametrize("kernel, stride, padding, dilation, ceil_mode", MAX_SETTINGS)
@@ -72,7 +71,7 @@ def test_avg_pool_divisor_override_and_bf16():
     same_as_cpu(lambda x: F.avg_pool2d(x, 2), randn(2, 3, 8, 8).bfloat16(), exact=False)
 
 
-@pytest.mark.parametrize("size", [(3, 4), (4, 3), (1, 1), (9, 8), (5, 7)])
+@pytest.mark.parametrize("size", [(3, 4), (1, 1), (5, 7)])
 def test_adaptive_pools(size):
     x2, x3 = randn(2, 3, 9, 8), randn(1, 2, 7, 6, 5)
     check(lambda x: F.adaptive_avg_pool1d(x, size[0]), x2[0])

@@ -83,12 +83,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(
-        _rank,
-        args=(args.world_size, port, tempfile.mkdtemp(prefix="tpu-dist-bench-"), args.sizes_mib, args.iters, args.trials),
-        nprocs=args.world_size,
-        start_method="spawn",
-    )
+    with tempfile.TemporaryDirectory(prefix="tpu-dist-bench-") as lock_dir:
+        mp.start_processes(
+            _rank,
+            args=(args.world_size, port, lock_dir, args.sizes_mib, args.iters, args.trials),
+            nprocs=args.world_size,
+            start_method="spawn",
+        )
 
 
 if __name__ == "__main__":

@@ -36,21 +36,21 @@ def _free_port() -> int:
 def run_ranks(fn: Callable, world_size: int, *args, layout: str = "one_host", timeout: float = 240.0) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; raise on any failure."""
     assert layout in ("one_host", "host_per_rank"), layout
-    lock_root = tempfile.mkdtemp(prefix="tpu-dist-test-locks-")
-    context = mp.start_processes(
-        _entry,
-        args=(fn, world_size, _free_port(), lock_root, layout, args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            raise AssertionError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout} s")
+    with tempfile.TemporaryDirectory(prefix="tpu-dist-test-locks-") as lock_root:
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, _free_port(), lock_root, layout, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise AssertionError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout} s")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, lock_root: str, layout: str, args: tuple) -> None:

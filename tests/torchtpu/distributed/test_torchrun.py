@@ -15,13 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_torchrun_with_tpu_dist_and_mixed_backends():
     script = Path(__file__).with_name("_torchrun_script.py")
-    env = dict(
-        os.environ,
-        TORCHTPU_LOCK_DIR=tempfile.mkdtemp(prefix="tpu-dist-torchrun-"),
-        TORCHTPU_NUM_DEVICES="2",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="tpu-dist-torchrun-") as lock_dir:
+        env = dict(os.environ, TORCHTPU_LOCK_DIR=lock_dir, TORCHTPU_NUM_DEVICES="2",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 of 2: ok" in done.stdout and "rank 1 of 2: ok" in done.stdout, done.stdout

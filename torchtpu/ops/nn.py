@@ -117,6 +117,14 @@ def _affine(x, weight, bias, shape: tuple[int, ...]):
     return x
 
 
+def _affine_grads(grad, xhat, axes: tuple[int, ...], output_mask: Sequence[bool]):
+    """(grad_weight, grad_bias) of `xhat * weight + bias`, summed over the axes the affine
+    parameters are broadcast along; None where `output_mask` does not ask for them."""
+    grad_weight = jnp.sum(grad * xhat, axes) if output_mask[1] else None
+    grad_bias = jnp.sum(grad, axes) if output_mask[2] else None
+    return grad_weight, grad_bias
+
+
 def _empty_like_out(ctx, index: int):
     return jnp.zeros(ctx.out_shape(index), ctx.out_dtype(index))
 
@@ -148,9 +156,8 @@ def native_layer_norm_backward(
     xhat = (x - mean.astype(compute)) * rstd.astype(compute)
     g = grad if weight is None else grad * weight.astype(compute)
     grad_input = _normalized_grad(g, xhat, rstd.astype(compute), axes) if output_mask[0] else None
-    grad_weight = jnp.sum(grad * xhat, batch) if output_mask[1] and weight is not None else None
-    grad_bias = jnp.sum(grad, batch) if output_mask[2] and bias is not None else None
-    return grad_input, grad_weight, grad_bias
+    mask = (output_mask[0], output_mask[1] and weight is not None, output_mask[2] and bias is not None)
+    return (grad_input, *_affine_grads(grad, xhat, batch, mask))
 
 
 # --- group norm -------------------------------------------------------------------------------
@@ -163,6 +170,11 @@ def _grouped(x, n: int, group: int):
 
 def _per_channel(c: int, ndim: int) -> tuple[int, ...]:
     return (1, c) + (1,) * (ndim - 2)
+
+
+def _batch_axes(x) -> tuple[int, ...]:
+    """Every axis but the channels (1): what per-channel parameters are broadcast along."""
+    return (0,) + tuple(range(2, x.ndim))
 
 
 @registry.register(aten.native_group_norm.default)
@@ -187,24 +199,15 @@ def native_group_norm_backward(
     xhat = ((_grouped(x, n, group) - mean.astype(compute).reshape(stat_shape)) * rstd)
     xhat = xhat.reshape(x.shape)
     g = grad if weight is None else grad * weight.astype(compute).reshape(_per_channel(c, x.ndim))
-    grad_input = grad_weight = grad_bias = None
+    grad_input = None
     if output_mask[0]:
         grad_input = _normalized_grad(
             _grouped(g, n, group), _grouped(xhat, n, group), rstd, (2,)
         ).reshape(x.shape)
-    spatial = (0,) + tuple(range(2, x.ndim))
-    if output_mask[1]:
-        grad_weight = jnp.sum(grad * xhat, spatial)
-    if output_mask[2]:
-        grad_bias = jnp.sum(grad, spatial)
-    return grad_input, grad_weight, grad_bias
+    return (grad_input, *_affine_grads(grad, xhat, _batch_axes(x), output_mask))
 
 
 # --- batch norm -------------------------------------------------------------------------------
-
-
-def _batch_axes(x) -> tuple[int, ...]:
-    return (0,) + tuple(range(2, x.ndim))
 
 
 def _batch_norm_train(x, weight, bias, eps: float):
@@ -266,14 +269,10 @@ def _batch_norm_grad(grad, x, weight, running_mean, running_var, save_mean, save
     mean, rstd = mean.reshape(shape), rstd.reshape(shape)
     xhat = (x - mean) * rstd
     g = grad if weight is None else grad * weight.astype(compute).reshape(shape)
-    grad_input = grad_weight = grad_bias = None
+    grad_input = None
     if output_mask[0]:
         grad_input = _normalized_grad(g, xhat, rstd, axes) if train else g * rstd
-    if output_mask[1]:
-        grad_weight = jnp.sum(grad * xhat, axes)
-    if output_mask[2]:
-        grad_bias = jnp.sum(grad, axes)
-    return grad_input, grad_weight, grad_bias
+    return (grad_input, *_affine_grads(grad, xhat, axes, output_mask))
 
 
 @registry.register(aten.native_batch_norm_backward.default)

@@ -16,12 +16,15 @@ import torch
 
 import torchtpu  # noqa: F401
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+from value_and_grad import Draws
 
-GEN = torch.Generator().manual_seed(0)
+DRAWS = Draws(0)
+GEN = DRAWS.generator
 
 
 def randn(*shape, dtype=torch.float32):
-    return torch.randn(shape, generator=GEN, dtype=dtype)
+    return DRAWS.randn(*shape, dtype=dtype)
+
 
 
 @pytest.fixture(autouse=True)

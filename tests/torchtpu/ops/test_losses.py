@@ -12,23 +12,15 @@ import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+from value_and_grad import Draws, values_and_grads_match as check
 
 aten = torch.ops.aten
-GEN = torch.Generator().manual_seed(0)
+DRAWS = Draws(0)
+GEN, randn, rand = DRAWS.generator, DRAWS.randn, DRAWS.rand
 REDUCTIONS = ["none", "mean", "sum"]
 
 
-def randn(*shape, dtype=torch.float64):
-    return torch.randn(shape, generator=GEN, dtype=dtype)
 
-
-def rand(*shape, dtype=torch.float64):
-    return torch.rand(shape, generator=GEN, dtype=dtype)
-
-
-def check(fn, *args):
-    same_as_cpu(fn, *args, exact=False)
-    grads_same_as_cpu(fn, *args)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+from value_and_grad import Draws
 
 aten = torch.ops.aten
-GEN = torch.Generator().manual_seed(0)
+DRAWS = Draws(0)
+GEN, randn = DRAWS.generator, DRAWS.randn
 
-
-def randn(*shape, dtype=torch.float64):
-    return torch.randn(shape, generator=GEN, dtype=dtype)
 
 
 # --- softmax ----------------------------------------------------------------------------------

@@ -11,17 +11,12 @@ import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+from value_and_grad import Draws, values_and_grads_match as check
 
-GEN = torch.Generator().manual_seed(0)
-
-
-def randn(*shape, dtype=torch.float64):
-    return torch.randn(shape, generator=GEN, dtype=dtype)
+DRAWS = Draws(0)
+GEN, randn = DRAWS.generator, DRAWS.randn
 
 
-def check(fn, *args):
-    same_as_cpu(fn, *args, exact=False)
-    grads_same_as_cpu(fn, *args)
 
 
 SPATIAL = {"nearest": (1, 2, 3), "nearest-exact": (1, 2, 3), "linear": (1,), "bilinear": (2,),

@@ -417,3 +417,128 @@ def linalg_lstsq(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *
         rank if driver != "gels" else a.new_empty(0, dtype=torch.int64),
         s if driver in ("gelsd", "gelss") else a.new_empty(0),
     )
+
+
+# --- LDL^T (Bunch-Kaufman), in LAPACK's sytrf/sytrs format ------------------------------------
+# A = P1 L1 D1 L1^T P1^T ... : each step eliminates a 1x1 or 2x2 pivot block chosen by the
+# Bunch-Kaufman test and swaps rows/columns of the trailing matrix only, so `LD` holds the
+# columns of L below D as the steps left them and `pivots` LAPACK's ipiv (1-based; a 2x2 block's
+# two entries both -p). Steps advance by 1 or 2: a while_loop per matrix, vmapped over batches.
+
+_BUNCH_KAUFMAN = (1 + 17**0.5) / 8
+
+
+def _ldl_step(state):
+    w, ld, pivots, k, info = state
+    n = w.shape[-1]
+    rows = jnp.arange(n)
+    absakk = jnp.abs(w[k, k])
+    below = jnp.where(rows > k, jnp.abs(w[:, k]), -1)
+    imax = jnp.argmax(below)
+    colmax = jnp.maximum(below[imax], 0)
+    off = jnp.where((rows >= k) & (rows != imax), jnp.abs(w[:, imax]), -1)
+    rowmax = jnp.max(off)
+    zero = (jnp.maximum(absakk, colmax) == 0) | jnp.isnan(absakk)
+    keep = zero | (absakk >= _BUNCH_KAUFMAN * colmax) | (
+        absakk >= _BUNCH_KAUFMAN * colmax * (colmax / rowmax))
+    single = keep | (jnp.abs(w[imax, imax]) >= _BUNCH_KAUFMAN * rowmax)
+    kp = jnp.where(keep, k, imax)
+    kk = jnp.where(single, k, k + 1)
+    order = rows.at[kk].set(kp).at[kp].set(kk)
+    w = w[order][:, order]
+    # One pivot: d = w[k, k], L column x / d, trailing update -x x^T / d (as dsyr computes it).
+    x = jnp.where(rows > k, w[:, k], 0)
+    r1 = jnp.where(zero, 0, 1 / w[k, k])
+    w1 = w + jnp.outer(x, -r1 * x)
+    ld1 = ld.at[:, k].set(jnp.where(rows > k, x * r1, jnp.where(rows == k, w[k, k], 0)))
+    # Two pivots: LAPACK's scaled inverse of the 2x2 block D = w[k:k+2, k:k+2].
+    d21 = w[k + 1, k]
+    d11, d22 = w[k + 1, k + 1] / d21, w[k, k] / d21
+    d21 = (1 / (d11 * d22 - 1)) / d21
+    a0, a1 = jnp.where(rows > k + 1, w[:, k], 0), jnp.where(rows > k + 1, w[:, k + 1], 0)
+    wk, wkp1 = d21 * (d11 * a0 - a1), d21 * (d22 * a1 - a0)
+    w2 = w - jnp.outer(a0, wk) - jnp.outer(a1, wkp1)
+    block = jnp.where(rows == k, w[k, k], jnp.where(rows == k + 1, w[k + 1, k], 0))
+    ld2 = ld.at[:, k].set(jnp.where(rows > k + 1, wk, block))
+    ld2 = ld2.at[:, k + 1].set(jnp.where(rows > k + 1, wkp1, jnp.where(rows == k + 1, w[k + 1, k + 1], 0)))
+    w = jnp.where(single, w1, w2)
+    w = jnp.tril(w) + jnp.tril(w, -1).T  # LAPACK reads and writes the lower triangle only
+    ld = jnp.where(single, ld1, ld2)
+    pivot = (kp + 1).astype(np.int32)
+    pivots = jnp.where(single, pivots.at[k].set(pivot),
+                       pivots.at[k].set(-pivot).at[jnp.minimum(k + 1, n - 1)].set(-pivot))
+    info = jnp.where((info == 0) & zero, k + 1, info).astype(np.int32)
+    return w, ld, pivots, k + jnp.where(single, 1, 2), info
+
+
+def _ldl_factor(a):
+    n = a.shape[-1]
+    sym = jnp.tril(a) + jnp.tril(a, -1).T
+    state = (sym, jnp.zeros_like(a), jnp.zeros(n, np.int32), jnp.int32(0), jnp.int32(0))
+    _, ld, pivots, _, info = lax.while_loop(lambda s: s[3] < n, _ldl_step, state)
+    return ld, pivots, info
+
+
+def _batched(fn, *args, batch_dims: int):
+    """fn over the last (non-batch) dims, vmapped over `batch_dims` leading dims."""
+    for _ in range(batch_dims):
+        fn = jax.vmap(fn)
+    return fn(*args)
+
+
+@registry.register(aten.linalg_ldl_factor_ex.default)
+def linalg_ldl_factor_ex(ctx, a, *, hermitian=False, check_errors=False):
+    # Real matrices: hermitian and symmetric factorisations coincide.
+    if a.shape[-1] == 0:
+        return a, jnp.zeros(a.shape[:-1], np.int32), jnp.zeros(a.shape[:-2], np.int32)
+    return _batched(_ldl_factor, a, batch_dims=a.ndim - 2)
+
+
+def _ldl_solve(ld, pivots, b):
+    """LAPACK's sytrs (lower): L D L^T X = B through the pivot sequence, forward then back."""
+    n = ld.shape[-1]
+    rows = jnp.arange(n)
+
+    def swap(x, i, j):
+        order = rows.at[i].set(j).at[j].set(i)
+        return x[order]
+
+    def forward(state):
+        x, k = state
+        single = pivots[k] > 0
+        kp = jnp.abs(pivots[k]) - 1
+        kk = jnp.where(single, k, k + 1)
+        x = swap(x, kk, kp)
+        column0 = jnp.where(rows > kk, ld[:, k], 0)
+        column1 = jnp.where(rows > k + 1, ld[:, jnp.minimum(k + 1, n - 1)], 0)
+        x1 = (x - column0[:, None] * x[k]).at[k].divide(ld[k, k])
+        x2 = x - column0[:, None] * x[k] - column1[:, None] * x[jnp.minimum(k + 1, n - 1)]
+        akm1k = ld[jnp.minimum(k + 1, n - 1), k]
+        akm1, ak = ld[k, k] / akm1k, ld[jnp.minimum(k + 1, n - 1), jnp.minimum(k + 1, n - 1)] / akm1k
+        denom = akm1 * ak - 1
+        bkm1, bk = x2[k] / akm1k, x2[jnp.minimum(k + 1, n - 1)] / akm1k
+        x2 = x2.at[k].set((ak * bkm1 - bk) / denom)
+        x2 = x2.at[jnp.minimum(k + 1, n - 1)].set((akm1 * bk - bkm1) / denom)
+        return jnp.where(single, x1, x2), k + jnp.where(single, 1, 2)
+
+    def backward(state):
+        x, k = state
+        single = pivots[k] > 0
+        first = jnp.where(single, k, k - 1)  # the block's first column
+        column = jnp.where(rows > k, ld[:, k], 0)
+        x = x.at[k].add(-(column @ x))
+        previous = jnp.where(rows > k, ld[:, jnp.maximum(k - 1, 0)], 0)
+        x = jnp.where(single, x, x.at[first].add(-(previous @ x)))
+        x = swap(x, k, jnp.abs(pivots[k]) - 1)
+        return x, k - jnp.where(single, 1, 2)
+
+    x, _ = lax.while_loop(lambda s: s[1] < n, forward, (b, jnp.int32(0)))
+    x, _ = lax.while_loop(lambda s: s[1] >= 0, backward, (x, jnp.int32(n - 1)))
+    return x
+
+
+@registry.register(aten.linalg_ldl_solve.default)
+def linalg_ldl_solve(ctx, ld, pivots, b, *, hermitian=False):
+    ld, b = _broadcast_batch(ld, b)
+    pivots = jnp.broadcast_to(pivots, ld.shape[:-1])
+    return _batched(_ldl_solve, ld, pivots, b, batch_dims=ld.ndim - 2)

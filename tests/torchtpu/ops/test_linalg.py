@@ -273,6 +273,17 @@ def test_spectral_decompositions():
     close(torch.linalg.matrix_rank, m)
 
 
+@pytest.mark.parametrize("n", [1, 4, 12])
+def test_ldl_factor_and_solve(n):
+    a = randn(3, n, n, dtype=torch.float64)
+    a = a + a.mT
+    a[1].diagonal().mul_(1e-3)  # small diagonals force 2x2 pivot blocks
+    same_as_cpu(torch.linalg.ldl_factor_ex, a, exact=False)
+    ld, pivots = torch.linalg.ldl_factor(a)
+    close(torch.linalg.ldl_solve, ld, pivots, randn(3, n, 2, dtype=torch.float64))
+    close(torch.linalg.ldl_solve, ld[0], pivots[0], randn(2, n, 3, dtype=torch.float64))
+
+
 def test_matrix_exp():
     close(torch.linalg.matrix_exp, randn(3, 4, 4, dtype=torch.float64) / 2)
 

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -41,8 +40,6 @@ from embeddings.state import RowBlock, StackedState, TableSlot
 
 __all__ = [
     "RowBlocks",
-    "SparseCoreLoadPlanner",
-    "SparseCoreSavePlanner",
     "load",
     "load_sharded_state_dict",
     "save",
@@ -50,27 +47,37 @@ __all__ = [
 ]
 
 
-class RowBlocks:
-    """This process's row blocks of one table slot, for DCP (its `_Checkpointable` protocol).
+class RowBlocks(torch.Tensor):
+    """This process's row blocks of one table slot, for DCP: a tensor of the slot's whole shape
+    that holds only those blocks and speaks DCP's `_Checkpointable` protocol (as DTensor does).
 
     Saving writes each block as a chunk of the `[V, ...]` tensor; loading reads into the blocks,
-    and `restore()` writes them to the module's state.
+    and `restore()` writes them to the module's state. It supports no tensor ops.
     """
 
-    def __init__(self, state: StackedState, where: TableSlot, blocks: list[RowBlock]) -> None:
-        self._state = state
-        self._where = where
-        self.blocks = blocks
+    _state: StackedState
+    _where: TableSlot
+    blocks: list[RowBlock]
 
-    def size(self) -> torch.Size:
-        return torch.Size(self._where.shape)
+    @staticmethod
+    def __new__(cls, state: StackedState, where: TableSlot, blocks: list[RowBlock]) -> RowBlocks:
+        tensor = torch.Tensor._make_wrapper_subclass(cls, where.shape, dtype=torch.float32, device="cpu")
+        tensor._state, tensor._where, tensor.blocks = state, where, blocks
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"RowBlocks only carries table rows to DCP; {func} is not supported on it")
+
+    def __repr__(self) -> str:
+        return f"RowBlocks({self._where.table!r}, slot={self._where.slot!r}, rows={[b.start for b in self.blocks]})"
 
     def _chunk(self, block: RowBlock) -> ChunkStorageMetadata:
         offsets = (block.start,) + (0,) * (len(self._where.shape) - 1)
         return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.values.size())
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(self.blocks[0].values) if self.blocks else TensorProperties()
+        properties = TensorProperties(dtype=torch.float32)
         return [
             WriteItem(
                 index=MetadataIndex(fqn, self._chunk(block).offsets),
@@ -92,26 +99,6 @@ class RowBlocks:
     def restore(self) -> None:
         """Write the (loaded) blocks into the module's state."""
         self._state.load_local_blocks(self._where, self.blocks)
-
-
-class SparseCoreSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, reading the blocks of `RowBlocks` values."""
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        value = self.state_dict.get(index.fqn)
-        if isinstance(value, RowBlocks):
-            return value.__get_tensor_shard__(index)
-        return super().lookup_object(index)
-
-
-class SparseCoreLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading into the blocks of `RowBlocks` values."""
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        value = self.state_dict.get(index.fqn)
-        if isinstance(value, RowBlocks):
-            return value.__get_tensor_shard__(index)
-        return super().lookup_tensor(index)
 
 
 def sharded_state_dict(module: Any, prefix: str = "") -> dict[str, Any]:
@@ -167,8 +154,9 @@ def save(state: dict[str, Any], path: str | os.PathLike, process_group: dist.Pro
     version = path.parent / f".{path.name}.{token}"
     dcp.save(
         state,
-        storage_writer=dcp.FileSystemWriter(version),
-        planner=SparseCoreSavePlanner(),
+        # The blocks are host tensors already: no copy-ahead from a device (which would ask for
+        # the device's streams).
+        storage_writer=dcp.FileSystemWriter(version, per_thread_copy_ahead=0),
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
@@ -190,7 +178,6 @@ def load(state: dict[str, Any], path: str | os.PathLike, process_group: dist.Pro
     dcp.load(
         state,
         storage_reader=dcp.FileSystemReader(Path(path).resolve()),
-        planner=SparseCoreLoadPlanner(),
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )

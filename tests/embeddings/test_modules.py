@@ -15,10 +15,9 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 import torchtpu
 from _references import (
     OPTIMIZERS,
-    FbgemmTraining,
-    SparseAdamTraining,
     TorchRecSequenceTraining,
     bag_tables,
+    check_bag_training,
     kjt_keys,
     random_kjt,
     sequence_tables,
@@ -83,35 +82,14 @@ def test_feature_read_by_two_tables_gets_torchrec_names():
     torch.testing.assert_close(out.values().cpu(), expected.values(), rtol=0, atol=1e-6)
 
 
-def _bag_reference(name: str, tables, weights):
-    if name == "adam":
-        return SparseAdamTraining(tables, weights, OPTIMIZERS["adam"])
-    return FbgemmTraining(tables, weights, name)
-
-
 @pytest.mark.parametrize("mode", ["strict", "defer", "compiled"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_training_matches_fused_reference(optimizer, mode):
     tables = bag_tables()
     ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=OPTIMIZERS[optimizer])
-    reference = _bag_reference(optimizer, tables, _tables(ebc))
-    initial = _tables(ebc)
-    run = _run(ebc, mode)
-    rng = np.random.default_rng(3)
     torchtpu.reset_metrics()
     with torchtpu.eager_mode(_eager_mode(mode)):
-        for _ in range(STEPS):
-            kjt = random_kjt(rng, kjt_keys(tables), BATCH)
-            grad = torch.from_numpy(rng.standard_normal((BATCH, 48)).astype(np.float32))
-            out = run(kjt).values()
-            torch.testing.assert_close(out.detach().cpu(), reference.forward(kjt).detach(), **TOLERANCE)
-            (out * grad.to("tpu")).sum().backward()
-            reference.step(kjt, grad)
-    trained, expected = _tables(ebc), reference.tables()
-    for name in expected:
-        torch.testing.assert_close(trained[name], expected[name], **TOLERANCE, msg=name)
-        assert not torch.equal(trained[name], initial[name]), name
-    assert all(param.grad is None for param in ebc.parameters())
+        check_bag_training(ebc, _run(ebc, mode), tables, optimizer, STEPS, BATCH, slice(0, BATCH), seed=3)
     if mode == "compiled":
         metrics = torchtpu.metrics()
         assert metrics.get("compiled_graphs", 0) >= 2 and "compiled_graphs_run_eagerly" not in metrics

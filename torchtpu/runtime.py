@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,6 +78,18 @@ def configure_distributed(config: DistributedConfig) -> None:
                 "'tpu_dist' ...) before creating tpu tensors"
             )
         _distributed = config
+
+
+def configure_distributed_from_store(store, rank: int, size: int, key: str) -> None:
+    """`configure_distributed` for a torch.distributed job: rank 0 publishes the coordinator
+    address (its MASTER_ADDR, or its host name, and a free port) under `key` in torch's `store`,
+    which every rank reads (any launcher that gives torch a store works)."""
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        store.set(key, f"{os.environ.get('MASTER_ADDR') or socket.getfqdn()}:{port}")
+    configure_distributed(DistributedConfig(store.get(key).decode(), size, rank))
 
 
 def _requested_device_count() -> int | None:

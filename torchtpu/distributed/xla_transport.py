@@ -21,8 +21,6 @@ exist. Point-to-point send/recv go through the host transport (gloo over host me
 
 from __future__ import annotations
 
-import os
-import socket
 from datetime import timedelta
 from typing import Sequence
 
@@ -57,18 +55,6 @@ def on_tpu() -> bool:
     return chips > 0
 
 
-def _join_multi_controller(store: dist.Store, rank: int, size: int) -> None:
-    """Have the runtime join JAX's multi-controller runtime when it starts; rank 0 publishes the
-    coordinator address (its MASTER_ADDR and a free port) through the group's store."""
-    key = "xla/coordinator"
-    if rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        store.set(key, f"{os.environ.get('MASTER_ADDR') or socket.getfqdn()}:{port}")
-    runtime.configure_distributed(runtime.DistributedConfig(store.get(key).decode(), size, rank))
-
-
 def _op_name(op: dist.ReduceOp) -> str:
     for reduce_op, name in _REDUCE_OPS:
         if op == reduce_op:
@@ -81,7 +67,7 @@ class XlaTransport:
 
     def __init__(self, gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int) -> None:
         if not dist.is_initialized():  # the default group, being created by init_process_group
-            _join_multi_controller(store, rank, size)
+            runtime.configure_distributed_from_store(store, rank, size, key="xla/coordinator")
         self._gloo = gloo
         self._rank = rank
         self._size = size

@@ -14,8 +14,6 @@ Their gradient goes back into the global array the update reads.
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import torch
@@ -26,15 +24,14 @@ from torchtpu.exec import memory
 
 __all__ = ["join_process_mesh", "process_rows"]
 
-_COORDINATOR_KEY = "torchtpu/sparsecore_coordinator"
-
 
 def join_process_mesh(store: dist.Store | None = None) -> None:
     """Join this process to a mesh of every process's tpu devices (JAX multi-controller).
 
-    Call after `torch.distributed.init_process_group` and before anything uses the tpu device.
-    Rank 0 picks the coordinator address (its `MASTER_ADDR`, a free port) and publishes it through
-    `store` (default: the default group's store). A no-op for a single process.
+    Call after `torch.distributed.init_process_group` and before anything uses the tpu device;
+    the coordinator address goes through `store` (default: the default group's). Not needed when
+    the default group is `tpu_dist` with the XLA transport (on TPU), which joins it itself; a
+    no-op for a single process.
     """
     if not dist.is_initialized():
         raise RuntimeError("join_process_mesh: call torch.distributed.init_process_group first")
@@ -42,14 +39,7 @@ def join_process_mesh(store: dist.Store | None = None) -> None:
     if world == 1:
         return
     store = store if store is not None else dist.distributed_c10d._get_default_store()
-    if rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        host = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-        store.set(_COORDINATOR_KEY, f"{host}:{port}")
-    address = store.get(_COORDINATOR_KEY).decode()
-    runtime.configure_distributed(runtime.DistributedConfig(address, world, rank))
+    runtime.configure_distributed_from_store(store, rank, world, key="torchtpu/sparsecore_coordinator")
 
 
 def process_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -255,7 +255,12 @@ class StackedState(nn.Module):
         init(values)
         self.load_host(where, memory.torch_to_numpy(values))
 
-    # -- excluded from state_dict (the owner exposes per-table values) --------------------------
+    # -- fixed in place; excluded from state_dict (the owner exposes per-table values) ---------
+
+    def _apply(self, fn, recurse: bool = True) -> StackedState:
+        """Nothing: the tables stay sharded over the mesh and the hyper-parameters on the host
+        (the ops read them there), whatever `Module.to()` asks of the model around them."""
+        return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """Nothing: the owning module saves its tables under TorchRec's names."""

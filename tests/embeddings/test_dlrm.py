@@ -34,7 +34,8 @@ def test_dlrm_loss_falls():
     ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=Adagrad(learning_rate=0.1))
     torch.manual_seed(0)
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8],
-                 over_arch_layer_sizes=[16, 1], dense_device=torch.device("tpu"))
+                 over_arch_layer_sizes=[16, 1], dense_device=torch.device("tpu")).to("tpu")
+    assert ebc.stacked_state.hyper_learning_rate.device.type == "cpu"  # state stays where the ops read it
     dense_parameters = [p for name, p in model.named_parameters() if "embedding_bag_collection" not in name]
     dense_optimizer = torch.optim.Adagrad(dense_parameters, lr=0.1)
     data = _batches(np.random.default_rng(0), 4) * (STEPS // 4)

@@ -54,13 +54,22 @@ def runtime_topology(sparsecores_per_device: int = 4) -> Topology:
     rt = runtime.runtime()
     devices = sharding.mesh_devices()
     if rt.on_tpu:
-        kind = devices[0].device_kind.lower()
-        names = {"v4": "v4", "v5p": "v5p", "v5": "v5p", "v6": "v6e", "7x": "tpu7x"}
-        name = next((preset for marker, preset in names.items() if marker in kind), None)
-        if name is None:
-            raise ValueError(f"unknown TPU generation {devices[0].device_kind!r}; pass a Topology")
-        return Topology(CHIP_PRESETS[name], len(devices), len(rt.devices))
+        kind = devices[0].device_kind
+        if kind not in _DEVICE_KINDS:
+            raise ValueError(f"TPU device kind {kind!r} has no known SparseCore preset; pass a Topology")
+        return Topology(CHIP_PRESETS[_DEVICE_KINDS[kind]], len(devices), len(rt.devices))
     return Topology.cpu(len(devices), sparsecores_per_device, local_device_count=len(rt.devices))
+
+
+_DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "TPU7x": "tpu7x",
+}
+"""JAX `device_kind` -> `sparsecore.topology` preset (chips with SparseCores only; v5e has none)."""
 
 
 class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
@@ -106,13 +115,14 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         self._state = StackedState(engine, self._computations, optimizer, seed, host_init)
         self._preprocessor = SparseCorePreprocessor(
             engine,
-            {key: names for key, names in _readers(configs, names_by_table).items()},
+            _readers(configs, names_by_table),
             batch_size,
             {name: c.max_seq_len for c, names in zip(configs, names_by_table) if not c.pooled for name in names},
             weighted=is_weighted,
             allow_id_dropping=allow_id_dropping,
         )
-        self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, [c.name for c in configs], self._PREFIX)
+        tables_in_order = [c.name for c in configs]
+        self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, tables_in_order, self._PREFIX)
         self._placements: dict[str, tuple[str, FeaturePlacement]] = {
             placement.feature.name: (stack.name, placement) for stack in stacks for placement in stack.features
         }
@@ -194,9 +204,9 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
             activations = process_rows(fused_lookup(computation, self._state, batch.buffers[name]))
             per_sparsecore = activations.view(local_sparsecores, stack.batch_size_per_sparsecore, stack.embedding_dim)
             for placement in stack.features:
-                start = placement.sample_offset_in_sparsecore
-                rows = per_sparsecore[:, start : start + placement.samples_per_sparsecore, : placement.feature.table.embedding_dim]
-                out[placement.feature.name] = rows.reshape(-1, placement.feature.table.embedding_dim)
+                start, dim = placement.sample_offset_in_sparsecore, placement.feature.table.embedding_dim
+                rows = per_sparsecore[:, start : start + placement.samples_per_sparsecore, :dim]
+                out[placement.feature.name] = rows.reshape(-1, dim)
         return out
 
     # -- state ----------------------------------------------------------------------------------
@@ -280,6 +290,8 @@ class SparseCoreEmbeddingCollection(_SparseCoreCollection):
     (every sample's ids are looked up as a static `[batch, max_seq_len]` block and the real ones
     selected; a longer sample is an error). `need_indices`: each `JaggedTensor` carries the ids as
     its weights (TorchRec's behaviour). Other arguments as `SparseCoreEmbeddingBagCollection`.
+    The outputs' sizes follow the data: under `torch.compile` use `dynamic=False` (one graph per
+    size), as the tpu backend lowers symbolic sizes at the sizes it traced.
     """
 
     _PREFIX = "embeddings."
@@ -333,7 +345,9 @@ def _stack_groups(stacking: Stacking, features: list, topology: Topology) -> tup
     return groups
 
 
-def _readers(configs: list[SparseCoreEmbeddingConfig], names_by_table: list[tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+def _readers(
+    configs: list[SparseCoreEmbeddingConfig], names_by_table: list[tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
     """KJT key -> the features (embedding names) that read it."""
     readers: dict[str, list[str]] = {}
     for config, names in zip(configs, names_by_table):

@@ -90,10 +90,8 @@ class StackComputation:
         engine, optimizer = self.engine, self.optimizer
         sharded = NamedSharding(engine.mesh, P(engine.axis))
         geometry = engine.geometries[self.stack.name]
-        workspace = jax.lax.with_sharding_constraint(
-            jnp.zeros((engine.topology.global_device_count * workspace_rows(geometry), geometry.embedding_dim), jnp.float32),
-            sharded,
-        )
+        rows = engine.topology.global_device_count * workspace_rows(geometry)
+        workspace = jax.lax.with_sharding_constraint(jnp.zeros((rows, geometry.embedding_dim), jnp.float32), sharded)
         step = values["step"]
         slots = {name: values[arg] for name, arg in slot_args.items()}
         slots[STEP] = step[0]

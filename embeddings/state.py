@@ -102,7 +102,8 @@ class StackedState(nn.Module):
             table = nn.Parameter(sharding.from_jax(tables[name]))
             self.register_parameter(f"table_{i}", table)
             for slot in engine.stacks[name].optimizer.slots():
-                self.register_buffer(f"slot_{i}_{slot.name}", sharding.from_jax(slots[name][slot.name]), persistent=False)
+                value = sharding.from_jax(slots[name][slot.name])
+                self.register_buffer(f"slot_{i}_{slot.name}", value, persistent=False)
             step = jax.device_put(jnp.zeros(devices, jnp.float32), self._sharded)
             self.register_buffer(f"step_{i}", sharding.from_jax(step), persistent=False)
         for name, value in optimizer.hyperparameters().items():

@@ -84,7 +84,9 @@ class FbgemmTraining:
         pooling = PoolingMode.MEAN if tables[0].pooling == PoolingType.MEAN else PoolingMode.SUM
         self.names = [t.name for t in tables]
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
+            embedding_specs=[
+                (t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables
+            ],
             optimizer=_FBGEMM[optimizer],
             learning_rate=LEARNING_RATE,
             eps=EPSILON,
@@ -115,11 +117,13 @@ class SparseAdamTraining:
             for t in tables
         }
         params = [bag.weight for bag in self.bags.values()]
-        self.optimizer = torch.optim.SparseAdam(params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.epsilon)
+        betas = (adam.beta1, adam.beta2)
+        self.optimizer = torch.optim.SparseAdam(params, lr=adam.learning_rate, betas=betas, eps=adam.epsilon)
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         parts = kjt.to_dict()
-        return torch.cat([bag(parts[f"f{i}"].values(), parts[f"f{i}"].offsets()) for i, bag in enumerate(self.bags.values())], dim=1)
+        pooled = [bag(parts[f"f{i}"].values(), parts[f"f{i}"].offsets()) for i, bag in enumerate(self.bags.values())]
+        return torch.cat(pooled, dim=1)
 
     def step(self, kjt: KeyedJaggedTensor, output_grad: torch.Tensor) -> None:
         self.optimizer.zero_grad()
@@ -178,7 +182,10 @@ def local_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedT
         if jagged.weights_or_none() is not None:
             weights.append(jagged.weights()[offsets[start] : offsets[stop]])
     return KeyedJaggedTensor(
-        keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths), weights=torch.cat(weights) if weights else None
+        keys=kjt.keys(),
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if weights else None,
     )
 
 
@@ -189,7 +196,9 @@ def bag_reference(optimizer: str, tables: Sequence[EmbeddingBagConfig], weights:
     return FbgemmTraining(tables, weights, optimizer)
 
 
-def check_bag_training(module, run, tables, optimizer: str, steps: int, batch_size: int, rows: slice, seed: int) -> None:
+def check_bag_training(
+    module, run, tables, optimizer: str, steps: int, batch_size: int, rows: slice, seed: int
+) -> None:
     """Train `run` (the module, or it compiled) on its `rows` of each global batch and the fused
     reference on the whole batch, from the same weights: outputs equal at every step and tables
     equal at the end, within 1e-5; every table moved and none got a `.grad`."""

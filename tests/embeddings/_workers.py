@@ -29,7 +29,8 @@ def train_against_references(rank: int, world: int, batch_per_process: int, mode
     rows = slice(rank * batch_per_process, (rank + 1) * batch_per_process)
     for mode in modes:
         for optimizer in sorted(OPTIMIZERS):
-            ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=batch_per_process, optimizer=OPTIMIZERS[optimizer])
+            spec = OPTIMIZERS[optimizer]
+            ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=batch_per_process, optimizer=spec)
             run = torch.compile(ebc, backend="tpu") if mode == "compiled" else ebc
             with torchtpu.eager_mode("defer" if mode == "defer" else "strict"):
                 check_bag_training(ebc, run, tables, optimizer, STEPS, batch_per_process * world, rows, seed=11)
@@ -46,7 +47,9 @@ def _checkpoint_round_trip(rank: int, world: int, tables, batch_per_process: int
     (ebc(kjt).values() ** 2).sum().backward()
     path = _shared_tmp(rank) + "/checkpoint"
     checkpoint.save(checkpoint.sharded_state_dict(ebc), path)
-    fresh = SparseCoreEmbeddingBagCollection(tables, batch_size=batch_per_process, optimizer=OPTIMIZERS["adagrad"], seed=9)
+    fresh = SparseCoreEmbeddingBagCollection(
+        tables, batch_size=batch_per_process, optimizer=OPTIMIZERS["adagrad"], seed=9
+    )
     state = checkpoint.sharded_state_dict(fresh)
     checkpoint.load(state, path)
     checkpoint.load_sharded_state_dict(fresh, state)

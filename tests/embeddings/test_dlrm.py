@@ -30,7 +30,9 @@ def _batches(rng: np.random.Generator, count: int) -> list[tuple[torch.Tensor, K
 
 
 def test_dlrm_loss_falls():
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=100, embedding_dim=8, feature_names=[f"f{i}"]) for i in range(3)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=100, embedding_dim=8, feature_names=[f"f{i}"]) for i in range(3)
+    ]
     ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=Adagrad(learning_rate=0.1))
     torch.manual_seed(0)
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8],

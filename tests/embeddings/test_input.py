@@ -11,7 +11,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from _references import bag_tables, kjt_keys, random_kjt
-from embeddings import SparseCoreBatch, SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection, SparseCoreEmbeddingConfig
+from embeddings import (
+    SparseCoreBatch,
+    SparseCoreEmbeddingBagCollection,
+    SparseCoreEmbeddingCollection,
+    SparseCoreEmbeddingConfig,
+)
 from embeddings.ops import BUFFERS
 from sparsecore.preprocess import PartitionLimitError
 
@@ -53,7 +58,8 @@ def test_ids_out_of_range_name_the_feature_and_table(ebc):
         values=torch.tensor([3, 200, 1, 2]),
         lengths=torch.tensor([1] + [0] * 31 + [1] + [0] * 31 + [1] + [0] * 31 + [1] + [0] * 31),
     )
-    with pytest.raises(ValueError, match=r"feature 'f1': id 200 \(position 0\) is outside the vocabulary \[0, 200\) of table 't1'"):
+    message = r"feature 'f1': id 200 \(position 0\) is outside the vocabulary \[0, 200\) of table 't1'"
+    with pytest.raises(ValueError, match=message):
         ebc(kjt)
 
 

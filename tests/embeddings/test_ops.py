@@ -26,7 +26,8 @@ def _argument_names(op) -> list[str]:
 def test_ops_follow_torchtpu_argument_order():
     statics = ["batch_size", "max_ids_per_partition", "max_unique_ids_per_partition", "computation_name"]
     lookup = torch.ops.tpu.sparse_dense_matmul
-    assert _argument_names(lookup) == ["row_pointers", "embedding_ids", "sample_ids", "gains", "embedding_table", *statics]
+    buffers = ["row_pointers", "embedding_ids", "sample_ids", "gains"]
+    assert _argument_names(lookup) == [*buffers, "embedding_table", *statics]
     adagrad = torch.ops.tpu.sparse_dense_matmul_grad_with_adagrad
     assert _argument_names(adagrad) == [
         *BUFFERS, "embedding_table", "accumulator", "step", "activations_grad", "learning_rate", "epsilon",
@@ -86,8 +87,12 @@ def _ragged(kjt) -> dict[str, RaggedIds]:
 
 @pytest.mark.parametrize(
     "optimizer",
-    [opt.AdagradMomentum(learning_rate=0.05, use_nesterov=True), opt.FTRL(learning_rate=0.05, l1_regularization_strength=0.001),
-     opt.LaProp(learning_rate=0.01), opt.Adam(learning_rate=0.01, clip_gradient=0.5)],
+    [
+        opt.AdagradMomentum(learning_rate=0.05, use_nesterov=True),
+        opt.FTRL(learning_rate=0.05, l1_regularization_strength=0.001),
+        opt.LaProp(learning_rate=0.01),
+        opt.Adam(learning_rate=0.01, clip_gradient=0.5),
+    ],
     ids=lambda o: type(o).__name__,
 )
 def test_every_optimizer_trains_as_the_sparsecore_api(optimizer):
@@ -117,8 +122,10 @@ def test_every_optimizer_trains_as_the_sparsecore_api(optimizer):
     trained = engine.unstack_tables(engine_tables)
     slots = engine.unstack_slots(engine_slots)
     for table in (t.name for t in tables):
-        np.testing.assert_allclose(ebc.state_dict()[f"embedding_bags.{table}.weight"].numpy(), trained[table], rtol=0, atol=1e-6)
+        weight = ebc.state_dict()[f"embedding_bags.{table}.weight"].numpy()
+        np.testing.assert_allclose(weight, trained[table], rtol=0, atol=1e-6)
         for slot in optimizer.slots():
             where = state.table_slot(table, slot.name)
-            np.testing.assert_allclose(state.to_host(where), slots[table][slot.name].reshape(where.shape), rtol=0, atol=1e-6)
+            expected = slots[table][slot.name].reshape(where.shape)
+            np.testing.assert_allclose(state.to_host(where), expected, rtol=0, atol=1e-6)
         assert state.step_count(table) == 3.0

@@ -37,7 +37,7 @@ from embeddings.ops import StackComputation, register_stack
 from embeddings.optim import SparseCoreFusedOptimizer
 from embeddings.state import StackedState
 from sparsecore.api import SparseCoreEmbedding
-from sparsecore.layout import FeaturePlacement, StackGroup, auto_stack_groups, stack_tables
+from sparsecore.layout import StackGroup, auto_stack_groups, stack_tables
 from sparsecore.optimizers import SGD, OptimizerSpec
 from sparsecore.topology import CHIP_PRESETS, Topology
 from torchtpu import runtime, sharding
@@ -101,7 +101,6 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         self._check_topology(topology)
         self._configs = configs
         self._is_weighted = is_weighted
-        self._batch_size = batch_size
         names_by_table = embedding_names(configs)
         self._embedding_names_by_table = names_by_table
         global_batch = batch_size * topology.num_hosts
@@ -123,9 +122,6 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         )
         tables_in_order = [c.name for c in configs]
         self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, tables_in_order, self._PREFIX)
-        self._placements: dict[str, tuple[str, FeaturePlacement]] = {
-            placement.feature.name: (stack.name, placement) for stack in stacks for placement in stack.features
-        }
 
     def _check_kinds(self, tables: Sequence[TableConfig]) -> None:
         kind = EmbeddingBagConfig if self._POOLED else EmbeddingConfig

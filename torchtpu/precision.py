@@ -32,7 +32,10 @@ _LAX_PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
                   "highest": lax.Precision.HIGHEST}
 
 
-class _State(threading.local):
+class _State:
+    """Process-wide, like `torch.set_float32_matmul_precision`: the autograd engine runs backward
+    ops on its own thread, and they must use the mode the forward ran under."""
+
     mode = "default"
 
 
@@ -78,6 +81,16 @@ def _split(x, parts: int):
     return out
 
 
+def _exact_f32(part):
+    """A bf16 (or f16) pass operand widened to fp32 for the CPU stand-in.
+
+    The product of two bf16 values (8-bit significands) or two f16 values (11-bit) is exact in
+    fp32 (24-bit), so multiplying the widened parts with fp32 accumulation computes exactly what
+    the MXU computes, while XLA:CPU runs its fast fp32 kernels instead of emulating bf16 ones.
+    """
+    return part.astype(jnp.float32)
+
+
 def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=None):
     """`lax.dot_general` with TPU matmul precision semantics for floating-point inputs."""
     return bilinear(functools.partial(lax.dot_general, dimension_numbers=dimension_numbers),
@@ -104,8 +117,9 @@ def bilinear(op: Callable[..., Any], a, b, mode: str, platform: str, out_dtype=N
         result = op(a, b, precision=_LAX_PRECISION[mode], preferred_element_type=jnp.float32)
         return result.astype(out_dtype)
     if a.dtype != np.float32 and b.dtype != np.float32:
-        # bf16/f16 operands: one pass, products accumulated in fp32.
-        return op(a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+        # bf16/f16 operands: one pass, products accumulated in fp32 (exact fp32 products, see
+        # `_exact_f32`).
+        return op(_exact_f32(a), _exact_f32(b), preferred_element_type=jnp.float32).astype(out_dtype)
     passes = _PASSES[mode]
     depth = 1 + max(max(p) for p in passes)
     a_parts = _split(a.astype(jnp.float32), depth)
@@ -113,6 +127,6 @@ def bilinear(op: Callable[..., Any], a, b, mode: str, platform: str, out_dtype=N
     total = None
     # Add the small terms first, as the MXU's fp32 accumulation of the passes does.
     for i, j in reversed(passes):
-        term = op(a_parts[i], b_parts[j], preferred_element_type=jnp.float32)
+        term = op(_exact_f32(a_parts[i]), _exact_f32(b_parts[j]), preferred_element_type=jnp.float32)
         total = term if total is None else total + term
     return total.astype(out_dtype)

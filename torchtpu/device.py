@@ -2,21 +2,21 @@
 
 The backend is registered through PyTorch's Python PrivateUse1 mechanism: PrivateUse1 is renamed
 to "tpu", and Python hooks and a device guard are installed, so `.to("tpu")`, `torch.compile`
-(inductor included) and `torch.accelerator` keep working in the same process.
+(inductor included) and `torch.accelerator` keep working in the same process. The guard itself is
+a small C++ one (`torchtpu.device_guard`), because the Python guard knows only one device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import threading
 from typing import Iterator
 
 import torch
 
 from torchtpu import precision as _precision
 from torchtpu import random as _random
-from torchtpu import runtime, storage
+from torchtpu import device_guard, runtime, storage
 
 
 class Precision(enum.Enum):
@@ -25,13 +25,6 @@ class Precision(enum.Enum):
     DEFAULT = "default"
     HIGH = "high"
     HIGHEST = "highest"
-
-
-class _Current(threading.local):
-    index = 0
-
-
-_current = _Current()
 
 
 def is_available() -> bool:
@@ -55,7 +48,7 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return _current.index
+    return device_guard.current_device()
 
 
 def _index(device: int | str | torch.device | None) -> int:
@@ -72,7 +65,7 @@ def _index(device: int | str | torch.device | None) -> int:
 def set_device(device: int | str | torch.device) -> None:
     index = _index(device)
     runtime.jax_device(index)
-    _current.index = index
+    device_guard.set_current_device(index)
 
 
 @contextlib.contextmanager
@@ -83,7 +76,7 @@ def device(device: int | str | torch.device) -> Iterator[None]:
     try:
         yield
     finally:
-        _current.index = previous
+        device_guard.set_current_device(previous)
 
 
 def synchronize(device: int | str | torch.device | None = None) -> None:
@@ -224,5 +217,7 @@ def register_backend() -> None:
             f"PrivateUse1 is already taken by {torch._C._get_privateuse1_backend_name()!r}; "
             "torchtpu cannot register the tpu device"
         )
+    # The C++ guard goes first: guard registration is first-wins (see `torchtpu.device_guard`).
+    device_guard.install()
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
     _registered = True

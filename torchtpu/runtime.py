@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchtpu import device_lock
+from torchtpu import device_guard, device_lock
 
 if TYPE_CHECKING:
     import jax
@@ -175,6 +175,7 @@ def runtime() -> Runtime:
         with _lock:
             if _runtime is None:
                 _runtime = _start()
+                device_guard.set_device_count(len(_runtime.devices))
     return _runtime
 
 

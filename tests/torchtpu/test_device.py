@@ -49,6 +49,19 @@ def test_torch_tpu_module():
     assert torch.tpu.current_device() == 0
     torch.tpu.synchronize()
     assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    assert torch.accelerator.device_count() == torch.tpu.device_count()
+
+
+def test_backward_on_every_device():
+    """The autograd engine has a ready queue per tpu device (the device guard reports them all)."""
+    for index in range(torch.tpu.device_count()):
+        w = torch.randn(4, 3)
+        w_tpu = w.to(f"tpu:{index}").requires_grad_()
+        (w_tpu.tanh() * 2).sum().backward()
+        w.requires_grad_()
+        (w.tanh() * 2).sum().backward()
+        assert w_tpu.grad.device == torch.device("tpu", index)
+        torch.testing.assert_close(w_tpu.grad.cpu(), w.grad)
 
 
 def test_memory_stats_follow_live_tensors():

@@ -101,27 +101,63 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         self._check_topology(topology)
         self._configs = configs
         self._is_weighted = is_weighted
+        self._optimizer = optimizer
+        self._topology = topology
+        self._allow_id_dropping = allow_id_dropping
         names_by_table = embedding_names(configs)
         self._embedding_names_by_table = names_by_table
-        global_batch = batch_size * topology.num_hosts
-        features = []
-        for config, names in zip(configs, names_by_table):
-            features.extend(config.feature_specs(config.table_spec(optimizer), names, global_batch))
-        stacks = stack_tables(features, topology, _stack_groups(stacking, features, topology))
-        engine = SparseCoreEmbedding(stacks, topology, mesh=sharding.mesh())
-        self._computations: dict[str, StackComputation] = {s.name: register_stack(engine, s.name) for s in stacks}
+        features = self._features(batch_size)
+        engine = self._lay_out(batch_size, _stack_groups(stacking, features, topology))
         host_init = {c.name: c.host_initializer for c in configs if c.host_initializer is not None}
         self._state = StackedState(engine, self._computations, optimizer, seed, host_init)
+        tables_in_order = [c.name for c in configs]
+        self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, tables_in_order, self._PREFIX)
+
+    def _features(self, batch_size: int) -> list:
+        global_batch = batch_size * self._topology.num_hosts
+        features = []
+        for config, names in zip(self._configs, self._embedding_names_by_table):
+            features.extend(config.feature_specs(config.table_spec(self._optimizer), names, global_batch))
+        return features
+
+    def _lay_out(self, batch_size: int, groups: Sequence[StackGroup]) -> SparseCoreEmbedding:
+        """The stacks, their computations and the preprocessor for `batch_size` samples per process."""
+        configs, names_by_table = self._configs, self._embedding_names_by_table
+        stacks = stack_tables(self._features(batch_size), self._topology, groups)
+        engine = SparseCoreEmbedding(stacks, self._topology, mesh=sharding.mesh())
+        self._computations: dict[str, StackComputation] = {s.name: register_stack(engine, s.name) for s in stacks}
         self._preprocessor = SparseCorePreprocessor(
             engine,
             _readers(configs, names_by_table),
             batch_size,
             {name: c.max_seq_len for c, names in zip(configs, names_by_table) if not c.pooled for name in names},
-            weighted=is_weighted,
-            allow_id_dropping=allow_id_dropping,
+            weighted=self._is_weighted,
+            allow_id_dropping=self._allow_id_dropping,
         )
-        tables_in_order = [c.name for c in configs]
-        self._fused_optimizer = SparseCoreFusedOptimizer(self._state, optimizer, tables_in_order, self._PREFIX)
+        return engine
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch of this process that the buffers are laid out for."""
+        return self._preprocessor.batch_size
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Lay the per-step buffers out for another batch size; tables, slots and optimizer state
+        stay where they are (stacks keep their tables, so only the buffers and programs change).
+        What a sharded caller uses when its batch size is only known at the first batch."""
+        if batch_size == self.batch_size:
+            return
+        groups = tuple(
+            StackGroup(c.stack.table_names, name=name, rotation=_rotation(c.stack),
+                       max_ids_per_partition=c.stack.max_ids_per_partition,
+                       max_unique_ids_per_partition=c.stack.max_unique_ids_per_partition,
+                       suggested_coo_buffer_size_per_device=c.stack.suggested_coo_buffer_size_per_device)
+            for name, c in self._computations.items()
+        )
+        dropped = self._preprocessor.dropped_ids
+        engine = self._lay_out(batch_size, groups)
+        self._preprocessor.dropped_ids = dropped
+        self._state.rebind(engine, self._computations)
 
     def _check_kinds(self, tables: Sequence[TableConfig]) -> None:
         kind = EmbeddingBagConfig if self._POOLED else EmbeddingConfig
@@ -339,6 +375,14 @@ def _stack_groups(stacking: Stacking, features: list, topology: Topology) -> tup
     if not all(isinstance(group, StackGroup) for group in groups):
         raise ValueError(f"stacking groups must be sparsecore StackGroups, got {groups}")
     return groups
+
+
+def _rotation(stack) -> int:
+    """The rotation that placed the stack's tables (the step between consecutive tables'
+    `shard_rotation`s; any value for a single table, whose rotation is 0)."""
+    if len(stack.tables) < 2:
+        return 0
+    return (stack.tables[1].shard_rotation - stack.tables[0].shard_rotation) % stack.num_sparsecores
 
 
 def _readers(

@@ -115,6 +115,21 @@ class StackedState(nn.Module):
         for table, init in host_initializers.items():
             self._initialize_on_host(table, init)
 
+    def rebind(self, engine: SparseCoreEmbedding, computations: Mapping[str, StackComputation]) -> None:
+        """Serve the same tables to another engine (e.g. laid out for another batch size): its
+        stacks must hold the same tables, in the same places, as this state's."""
+        def tables_of(stacks: Mapping[str, StackedTable]) -> dict[str, tuple]:
+            return {name: (s.tables, s.embedding_dim, s.rows_per_shard) for name, s in stacks.items()}
+
+        if list(computations) != list(self._index) or tables_of(engine.stacks) != tables_of(self.engine.stacks):
+            raise ValueError(
+                f"rebind: the new stacks {sorted(engine.stacks)} do not hold this state's tables as "
+                f"{sorted(self.engine.stacks)} do"
+            )
+        self.engine = engine
+        self.computations = dict(computations)
+        self._table_stack = {t: engine.stacks[s] for s in self._index for t in engine.stacks[s].table_names}
+
     # -- the op operands ------------------------------------------------------------------------
 
     def table(self, stack: str) -> nn.Parameter:

@@ -1,0 +1,55 @@
+"""TorchRec's planner and `DistributedModelParallel` on `tpu`, with lookups on SparseCore.
+
+How to use::
+
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import torchrec_plugin
+
+    dist.init_process_group("cpu:gloo,tpu:tpu_dist")
+    pg = dist.group.WORLD
+    topology = torchrec_plugin.topology("v5p", world_size=dist.get_world_size())  # or "v4", "v6e", "tpu7x", "cpu"
+    planner = torchrec_plugin.planner(topology=topology, batch_size=B)            # a torchrec EmbeddingShardingPlanner
+    sharders = torchrec_plugin.sharders(fused_params=None)                         # ModuleSharders for tpu
+    plan = planner.collective_plan(model, sharders, pg)                            # planner.plan(model, sharders) in one process
+    dmp = DistributedModelParallel(model, device=torch.device("tpu", local_rank), plan=plan,
+                                   sharders=sharders, env=ShardingEnv.from_process_group(pg))
+
+Fused optimizers come from `fused_params` or `apply_optimizer_in_backward` (SGD, Adagrad,
+row-wise Adagrad, Adam); data-parallel tables train through DDP with the dense optimizer.
+
+Sharding types and what runs in each shard (`torchrec_plugin.sharders`):
+
+* table-wise, row-wise, column-wise, table-row-wise: compute kernel FUSED, the SparseCore kernel.
+  Within its device, every shard is MOD-sharded over the device's SparseCores (row r on
+  SparseCore r mod S): that is SparseCore's native layout, and it is not a plan choice -- the
+  plan decides which rows and columns a device holds (TorchRec's types), SparseCore decides how
+  the device holds them.
+* data-parallel: compute kernel DENSE, an `embedding_bag` on the device, gradients through DDP.
+
+One process drives one tpu device. See `torchrec_plugin.topology` for the chip presets and
+`torchrec_plugin.estimators` for what the planner counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrec.distributed.types import ModuleSharder
+from torch import nn
+
+from torchrec_plugin.planner import TpuShardingPlanner, planner
+from torchrec_plugin.sharders import EmbeddingBagCollectionSharder
+from torchrec_plugin.topology import TpuTopology, topology
+
+__all__ = ["EmbeddingBagCollectionSharder", "TpuShardingPlanner", "TpuTopology", "planner", "sharders", "topology"]
+
+
+def sharders(fused_params: dict[str, Any] | None = None) -> list[ModuleSharder[nn.Module]]:
+    """The sharders for `DistributedModelParallel` on tpu: TorchRec's embedding collections.
+    `fused_params`: defaults of the fused optimizer (e.g. `{"optimizer": EmbOptimType.EXACT_ADAGRAD,
+    "learning_rate": 0.05}`); a table's `apply_optimizer_in_backward` settings take precedence."""
+    return [EmbeddingBagCollectionSharder(fused_params=fused_params)]

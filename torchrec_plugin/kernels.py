@@ -1,0 +1,257 @@
+"""The lookup inside one shard of a DMP-sharded embedding module on `tpu`.
+
+TorchRec groups a shard's local tables into `GroupedEmbeddingConfig`s and builds one kernel per
+group (FBGEMM's TBE on GPU). Here a FUSED group becomes a `SparseCoreEmbeddingBag`: an
+`embeddings.SparseCoreEmbeddingBagCollection` over the local shards of its tables (MOD-sharded
+over the SparseCores of this process's device, optimizer applied in the backward), and a DENSE
+group (data-parallel tables) a `DenseEmbeddingBag` whose gradients DDP all-reduces.
+
+TorchRec's state machinery (ShardedTensors in `state_dict`, `load_state_dict`, DCP) works on
+plain tensors in TorchRec's layout, while SparseCore tables are stacked and MOD-sharded. So each
+SparseCore kernel keeps a *mirror*: one tensor per local shard in TorchRec's layout on the same
+device. `flush()` (TorchRec calls it before every `state_dict`) copies the tables into the
+mirror; `push()` (after a load or an initialisation) copies the mirror into the tables. The
+mirror costs one more copy of the shard's weights in HBM; the planner's storage estimate counts it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_kernel import BaseEmbedding, get_state_dict
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embeddings import SparseCoreEmbeddingBagCollection, runtime_topology
+from sparsecore import optimizers
+
+__all__ = ["DenseEmbeddingBag", "SparseCoreEmbeddingBag", "sparsecore_optimizer"]
+
+_IGNORED_FUSED_PARAMS = frozenset(
+    {"output_dtype", "stochastic_rounding", "bounds_check_mode", "enforce_hbm", "prefetch_pipeline",
+     "cache_precision", "weights_precision"}
+)
+"""FBGEMM options with no effect on fp32 SparseCore tables held whole in HBM."""
+
+
+def sparsecore_optimizer(fused_params: dict[str, Any] | None) -> optimizers.OptimizerSpec:
+    """The `sparsecore` optimizer for TorchRec's fused parameters (`fused_params` of a sharder or
+    `apply_optimizer_in_backward`; FBGEMM's defaults: exact SGD at learning rate 0.01)."""
+    params = dict(fused_params or {})
+    kind = params.pop("optimizer", EmbOptimType.EXACT_SGD)
+    rate = float(params.pop("learning_rate", 0.01))
+    eps = float(params.pop("eps", 1e-8))
+    weight_decay = float(params.pop("weight_decay", 0.0))
+    beta1, beta2 = float(params.pop("beta1", 0.9)), float(params.pop("beta2", 0.999))
+    unknown = sorted(set(params) - _IGNORED_FUSED_PARAMS)
+    if unknown:
+        raise ValueError(f"fused_params {unknown} are not supported by the SparseCore kernels")
+    if weight_decay:
+        raise ValueError(f"fused optimizer weight_decay={weight_decay} is not supported on SparseCore")
+    if kind in (EmbOptimType.EXACT_SGD, EmbOptimType.SGD):
+        return optimizers.SGD(learning_rate=rate)
+    if kind == EmbOptimType.EXACT_ADAGRAD:
+        return optimizers.Adagrad(learning_rate=rate, epsilon=eps)
+    if kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        return optimizers.RowWiseAdagrad(learning_rate=rate, epsilon=eps)
+    if kind == EmbOptimType.ADAM:
+        return optimizers.Adam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=eps)
+    raise ValueError(f"fused optimizer {kind} has no SparseCore implementation (SGD, Adagrad, row-wise Adagrad, Adam)")
+
+
+class _ShardOptimizer(FusedOptimizer):
+    """TorchRec's view of a kernel's fused optimizer: its parameters are the mirror's tables
+    (TorchRec renames and re-keys them); `step`/`zero_grad` make the learning rate take effect."""
+
+    def __init__(self, collection: SparseCoreEmbeddingBagCollection, params: dict[str, torch.Tensor]) -> None:
+        self._collection = collection
+        rate = collection.fused_optimizer.param_groups[0]["lr"]
+        super().__init__(params=params, state={}, param_groups=[{"params": list(params.values()), "lr": rate}])
+
+    def step(self, closure: Any = None) -> None:
+        self._collection.set_learning_rate(self.param_groups[0]["lr"])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._collection.set_learning_rate(self.param_groups[0]["lr"])
+
+
+class _ShardTables(nn.Module):
+    """What both kernels share: the group's local shards as one flat tensor in TorchRec's layout
+    (tables one after another, `[local_rows, local_cols]` each), and TorchRec's per-table views."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None, device: torch.device | None,
+                 requires_grad: bool) -> None:
+        super().__init__()
+        self._config = config
+        self._pg = pg
+        self._shapes = [(t.local_rows, t.local_cols) for t in config.embedding_tables]
+        total = sum(rows * cols for rows, cols in self._shapes)
+        self._flat = nn.Parameter(torch.empty(total, device=device), requires_grad=requires_grad)
+        self._bounds = []
+        start = 0
+        for rows, cols in self._shapes:
+            self._bounds.append((start, start + rows * cols))
+            start += rows * cols
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    def shard_weights(self) -> list[torch.Tensor]:
+        """Each local shard `[local_rows, local_cols]`, a view of the flat tensor."""
+        return [self._flat[a:b].view(shape) for (a, b), shape in zip(self._bounds, self._shapes)]
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        return get_state_dict(self._config.embedding_tables, self.shard_weights(), self._pg, destination, prefix)
+
+    def named_parameters_by_table(self) -> Iterator[tuple[str, TableBatchedEmbeddingSlice]]:
+        """One slice per table: a table's consecutive local shards (column-wise) form one slice."""
+        tables = self._config.embedding_tables
+        i = 0
+        while i < len(tables):
+            j = i
+            while j + 1 < len(tables) and tables[j + 1].name == tables[i].name:
+                j += 1
+            start, stop = self._bounds[i][0], self._bounds[j][1]
+            cols = tables[i].local_cols
+            yield tables[i].name, self._slice(start, stop, cols)
+            i = j + 1
+
+    def _slice(self, start: int, stop: int, cols: int) -> TableBatchedEmbeddingSlice:
+        return TableBatchedEmbeddingSlice(self._flat, start, stop, (stop - start) // cols, cols)
+
+    def flush(self) -> None:
+        """Nothing held elsewhere (overridden where the tables live elsewhere)."""
+
+    def purge(self) -> None:
+        """No cache to reset."""
+
+
+class SparseCoreEmbeddingBag(_ShardTables, BaseEmbedding, FusedOptimizerModule):
+    """The pooled lookup of a FUSED group on the SparseCores of this process's device, with the
+    fused optimizer of `config.fused_params` applied in the backward (see the module docstring)."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                 device: torch.device | None) -> None:
+        super().__init__(config, pg, device, requires_grad=False)
+        tables = config.embedding_tables
+        self._keys: list[str] = []
+        bag_configs = []
+        for index, table in enumerate(tables):
+            keys = [f"{feature}#{len(self._keys) + k}" for k, feature in enumerate(table.feature_names)]
+            self._keys.extend(keys)
+            bag_configs.append(EmbeddingBagConfig(
+                name=f"{table.name}#{index}", num_embeddings=table.local_rows, embedding_dim=table.local_cols,
+                feature_names=keys, pooling=table.pooling,
+            ))
+        self._table_keys = [f"embedding_bags.{c.name}.weight" for c in bag_configs]
+        # Held outside the module tree: TorchRec collects (and re-keys) the fused optimizer of
+        # every FusedOptimizerModule below a lookup, and this kernel presents the collection's.
+        self.__dict__["_collection"] = SparseCoreEmbeddingBagCollection(
+            bag_configs,
+            batch_size=runtime_topology().num_sparsecores,
+            optimizer=sparsecore_optimizer(config.fused_params),
+            is_weighted=config.is_weighted,
+        )
+        self._optimizer = _ShardOptimizer(
+            self._collection, {f"{name}.weight": weight for name, weight in self.named_parameters_by_table()}
+        )
+        for _, weight in self.named_parameters_by_table():
+            weight._in_backward_optimizers = [self._optimizer]
+
+    @property
+    def collection(self) -> SparseCoreEmbeddingBagCollection:
+        return self._collection
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optimizer
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        if features.variable_stride_per_key():
+            raise ValueError("SparseCore lookups need one batch size for every feature (no variable batch)")
+        stride = features.stride()
+        self._collection.set_batch_size(stride)
+        renamed = KeyedJaggedTensor(
+            keys=self._keys,
+            values=features.values(),
+            lengths=features.lengths(),
+            weights=features.weights_or_none() if self._config.is_weighted else None,
+            stride=stride,
+        )
+        return self._collection(renamed).values()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The mirror's tables, marked as trained by the fused optimizer (TorchRec's convention)."""
+        for name, weight in self.named_parameters_by_table():
+            yield f"{prefix}{'.' if prefix else ''}{name}.weight", weight
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def flush(self) -> None:
+        """Tables -> mirror (every process of the mesh must call together)."""
+        tables = self._collection.state_dict()
+        with torch.no_grad():
+            for key, weight in zip(self._table_keys, self.shard_weights()):
+                weight.copy_(tables[key].to(weight.device))
+
+    def push(self) -> None:
+        """Mirror -> tables."""
+        values = {key: weight.detach().cpu() for key, weight in zip(self._table_keys, self.shard_weights())}
+        self._collection.load_state_dict(values)
+
+
+_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+class DenseEmbeddingBag(_ShardTables, BaseEmbedding):
+    """The pooled lookup of a DENSE group (data-parallel tables): `embedding_bag` per feature on
+    `tpu`; the tables get ordinary gradients (DDP all-reduces them, the dense optimizer steps)."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                 device: torch.device | None) -> None:
+        super().__init__(config, pg, device, requires_grad=True)
+        for table in config.embedding_tables:
+            if table.pooling not in _MODES:
+                raise ValueError(f"table {table.name!r}: pooling {table.pooling} is not supported")
+        nn.init.uniform_(self._flat, -0.01, 0.01)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        weights = self.shard_weights()
+        per_sample = features.weights_or_none() if self._config.is_weighted else None
+        lengths = features.length_per_key()
+        stride = features.stride()
+        offsets = features.offsets()
+        outputs = []
+        key = 0
+        start = 0
+        for table, weight in zip(self._config.embedding_tables, weights):
+            for _ in table.feature_names:
+                stop = start + lengths[key]
+                bag_offsets = offsets[key * stride: (key + 1) * stride] - start
+                ids = features.values()[start:stop]
+                outputs.append(nn.functional.embedding_bag(
+                    ids, weight, bag_offsets, mode=_MODES[table.pooling],
+                    per_sample_weights=None if per_sample is None else per_sample[start:stop],
+                ))
+                start, key = stop, key + 1
+        return torch.cat(outputs, dim=1)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        combined = "/".join(t.name for t in self._config.embedding_tables)
+        yield f"{prefix}{'.' if prefix else ''}{combined}.weight", self._flat

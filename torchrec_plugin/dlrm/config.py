@@ -32,8 +32,9 @@ class DLRMConfig:
     """One training configuration: model shape, batch and optimizer.
 
     `num_embeddings` / `multi_hot_sizes`: rows and ids per sample of each sparse feature's table
-    (one table per feature). `batch_size` is per process. Tables and dense layers both train with
-    Adagrad at `learning_rate` (the tables' fused in the backward).
+    (one table per feature). `batch_size` is per process; `default_steps` is the length of a run.
+    Tables and dense layers both train with Adagrad at `learning_rate` (the tables' fused in the
+    backward).
     """
 
     name: str
@@ -45,6 +46,7 @@ class DLRMConfig:
     dcn_num_layers: int
     dcn_low_rank_dim: int
     batch_size: int
+    default_steps: int
     learning_rate: float = 0.05
     epsilon: float = 1e-8
 
@@ -96,15 +98,17 @@ def _scaled(name: str, max_rows: int, hot_scale: float, **shape) -> DLRMConfig:
 PRESETS: dict[str, DLRMConfig] = {
     "tiny": _scaled(
         "tiny", max_rows=200, hot_scale=0.05, embedding_dim=8, dense_arch_layer_sizes=(32, 8),
-        over_arch_layer_sizes=(32, 1), dcn_num_layers=2, dcn_low_rank_dim=8, batch_size=128,
+        over_arch_layer_sizes=(32, 1), dcn_num_layers=2, dcn_low_rank_dim=8, batch_size=128, default_steps=300,
     ),
     "small": _scaled(
         "small", max_rows=20_000, hot_scale=0.25, embedding_dim=32, dense_arch_layer_sizes=(128, 32),
         over_arch_layer_sizes=(256, 128, 1), dcn_num_layers=3, dcn_low_rank_dim=32, batch_size=256,
+        default_steps=1000,
     ),
     "mlperf": _scaled(
         "mlperf", max_rows=100_000, hot_scale=1.0, embedding_dim=64, dense_arch_layer_sizes=(256, 64),
         over_arch_layer_sizes=(512, 256, 1), dcn_num_layers=3, dcn_low_rank_dim=64, batch_size=1024,
+        default_steps=200,
     ),
 }
 """`tiny`: tests (seconds). `small`: the default run (minutes on two cores). `mlperf`: MLPerf

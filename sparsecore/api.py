@@ -329,6 +329,7 @@ class SparseCoreEmbedding:
             mesh=self.mesh,
             in_specs=(P(self.axis),) * 5,
             out_specs=P(self.axis),
+            check_vma=self._kernels.lookup_check_vma,
         )
         return local(*(buffers[field] for field in _BUFFERS), table)
 

@@ -4,10 +4,13 @@ Both run inside `shard_map` over a 1-D device mesh. `local_kernels(platform)` pi
 implementation: on "tpu" the libtpu custom calls (`sparsecore.kernels.tpu`, written to the
 custom-call contract but untested: no TPU here), on every other platform the XLA stand-in
 (`lookup`, `grad_update`) that computes the same thing with ordinary ops and real collectives.
+`lookup_impl="pallas"` swaps the lookup for the Pallas embedding bag (`pallas_lookup`): Mosaic on
+"tpu", Pallas's interpreter elsewhere.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import functools
+from typing import Callable, Literal, NamedTuple
 
 from sparsecore.kernels.geometry import KernelGeometry
 from sparsecore.kernels.grad_update import update_local, workspace_rows
@@ -20,15 +23,34 @@ class LocalKernels(NamedTuple):
 
     lookup: Callable
     update: Callable
+    lookup_check_vma: bool = True
+    """Whether the `shard_map` around the lookup type-checks varying mesh axes. Off for the Pallas
+    lookup in interpret mode: Pallas's interpreter (jax 0.10.2) evaluates index maps that mix
+    per-device scalars with grid indices without the casts that check requires."""
 
 
-def local_kernels(platform: str) -> LocalKernels:
-    """The kernels for devices of `platform` ("tpu" selects the custom calls)."""
+LOOKUP_IMPLS = ("xla", "pallas")
+
+
+def local_kernels(platform: str, lookup_impl: Literal["xla", "pallas"] = "xla") -> LocalKernels:
+    """The kernels for devices of `platform` ("tpu" selects the custom calls). `lookup_impl`
+    picks the lookup: "xla" (the platform's XLA lowering) or "pallas" (the Pallas embedding bag)."""
+    if lookup_impl not in LOOKUP_IMPLS:
+        raise ValueError(f"lookup_impl must be one of {LOOKUP_IMPLS}, got {lookup_impl!r}")
     if platform == "tpu":
         from sparsecore.kernels import tpu
 
-        return LocalKernels(tpu.lookup_local, tpu.update_local)
-    return LocalKernels(lookup_local, update_local)
+        kernels = LocalKernels(tpu.lookup_local, tpu.update_local)
+    else:
+        kernels = LocalKernels(lookup_local, update_local)
+    if lookup_impl == "pallas":
+        from sparsecore.kernels import pallas_lookup
+
+        interpret = platform != "tpu"
+        kernels = kernels._replace(
+            lookup=functools.partial(pallas_lookup.lookup_local, interpret=interpret), lookup_check_vma=not interpret
+        )
+    return kernels
 
 
 __all__ = ["KernelGeometry", "LocalKernels", "local_kernels", "workspace_rows"]

@@ -26,6 +26,8 @@ _serialization.register()
 
 from torchtpu import distributed as _distributed  # noqa: E402,F401  (registers tpu_dist)
 
+from torchtpu.bounds import Buckets, bounded  # noqa: E402
+
 set_eager_mode = _modes.set_mode
 eager_mode = _modes.eager_mode
 get_eager_mode = _modes.current
@@ -48,4 +50,6 @@ __all__ = [
     "matmul_precision",
     "metrics",
     "reset_metrics",
+    "bounded",
+    "Buckets",
 ]

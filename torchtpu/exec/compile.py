@@ -24,31 +24,52 @@ import torch
 import torch.fx
 
 from torchtpu import counters, precision, random as tpu_random, runtime
+from torchtpu.exec import bucketing, opcall
 from torchtpu.exec import graph as fx_graph
-from torchtpu.exec import opcall
 from torchtpu.exec.opcall import HostRef, NewTensor, Program, TensorRef
 from torchtpu.ops import decomps
 
 _graph_ids = itertools.count()
 
 
+def _skip_backend_frames() -> None:
+    """Dynamo must not trace the backend's own Python (torchtpu's kernels, JAX) when a compiled
+    function runs tpu ops eagerly after a graph break."""
+    from torch._dynamo import trace_rules
+
+    for module in ("torchtpu", "jax", "jaxlib"):
+        trace_rules.add(module)
+
+
+_skip_backend_frames()
+
+
 class GraphCall(opcall.Inputs):
-    """One call of a compiled graph, shaped like an op call for the executors."""
+    """One call of a compiled graph, shaped like an op call for the executors.
 
-    __slots__ = ("graph", "refs", "key", "values")
+    With a bucketing `plan` the arguments are at bucket size, and the bounded dimensions' true
+    sizes are runtime values (after the HostRef values, before the RNG key)."""
 
-    def __init__(self, compiled: "CompiledGraph", args: Sequence[Any]) -> None:
+    __slots__ = ("graph", "refs", "key", "values", "plan", "n_sizes")
+
+    def __init__(self, compiled: "CompiledGraph", args: Sequence[Any],
+                 plan: bucketing.CallPlan | None = None) -> None:
         super().__init__(f"compiled graph {compiled.name}")
         self.graph = compiled
         self.values = list(args)
+        self.plan = plan
         self.refs = tuple(
             self.tensor(a) if isinstance(a, torch.Tensor) else opcall._freeze(a) for a in args
         )
         if self.device is None:
             self.device = opcall.current_device()
+        sizes = plan.true_sizes() if plan is not None else []
+        self.n_sizes = len(sizes)
+        self.dynamic.extend(sizes)
         if compiled.random:
             self.dynamic.append(tpu_random.next_key_words(self.device))
-        self.key = (compiled.name, precision.get_mode(), self.device, tuple(self.storages), self.refs)
+        self.key = (compiled.name, precision.get_mode(), self.device, tuple(self.storages), self.refs,
+                    plan.key if plan is not None else None)
 
     def build(self) -> Program:
         return self.graph.program(self)
@@ -63,6 +84,14 @@ class CompiledGraph:
         self.random = fx_graph.needs_rng(gm)
         self.aliases = fx_graph.aliased_outputs(gm)
         self.missing = fx_graph.unsupported_ops(gm)
+        nodes = list(gm.graph.nodes)
+        self.input_metas = [node.meta.get("val") for node in nodes if node.op == "placeholder"]
+        output = nodes[-1].args[0]
+        self.output_metas = [
+            node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+            for node in (output if isinstance(output, (list, tuple)) else (output,))
+        ]
+        self.symbolic = any(isinstance(m, torch.SymInt) for m in self.input_metas)
         if self.missing:
             counters.count("compiled_graphs_run_eagerly")
             warnings.warn(
@@ -76,7 +105,13 @@ class CompiledGraph:
             return self.gm(*args)
         from torchtpu.exec.kernels import submit
 
-        return submit(GraphCall(self, args))
+        plan = bucketing.plan_call(self.input_metas, args) if self.symbolic else None
+        if plan is None:
+            return submit(GraphCall(self, args))
+        outs = submit(GraphCall(self, plan.args, plan))
+        for position, argument in self.aliases.items():
+            outs[position] = args[argument]
+        return [plan.unpad(out, meta) for out, meta in zip(outs, self.output_metas)]
 
     def program(self, call: GraphCall) -> Program:
         import jax
@@ -87,6 +122,8 @@ class CompiledGraph:
         mode, platform = call.key[1], runtime.runtime().platform
         gm, random = self.gm, self.random
         n_dynamic = len(call.dynamic)
+        trace_sizes = call.plan.sizes_for_trace() if call.plan is not None else None
+        n_sizes = call.n_sizes
 
         def values_of(flat_inputs):
             import jax.numpy as jnp
@@ -109,17 +146,20 @@ class CompiledGraph:
                 else:
                     values.append(ref)
             rng = dyn[n_dynamic - 1] if random else None
-            return values, rng, buffers
+            sizes = dyn[n_dynamic - n_sizes - int(random):n_dynamic - int(random)]
+            padding = bucketing.Padding(trace_sizes, sizes) if trace_sizes is not None else None
+            return values, rng, buffers, padding
 
         check_messages: list[str] = []
         written_inputs: list[int] = []
 
         def run(*flat_inputs):
-            values, rng, buffers = values_of(flat_inputs)
+            values, rng, buffers, padding = values_of(flat_inputs)
             found: list = []
             writes: dict[int, Any] = {}
             outs = fx_graph.interpret(
-                gm, values, precision=mode, platform=platform, rng_words=rng, checks=found, writes=writes
+                gm, values, precision=mode, platform=platform, rng_words=rng, checks=found, writes=writes,
+                padding=padding,
             )
             check_messages[:] = [message for _, message in found]
             written_inputs[:] = sorted(writes)
@@ -163,6 +203,28 @@ class CompiledGraph:
 
         return Program(program, inputs, written, tuple(new), ("list", tuple(template)), call.key,
                        tuple(check_messages))
+
+
+def describe_key_difference(a: tuple, b: tuple) -> str:
+    """What differs between two compile keys of one graph: an input's shape or dtype, a
+    bounded dimension's bucket, or a static argument."""
+    if a[1:3] != b[1:3]:
+        return f"precision/device {a[1:3]} instead of {b[1:3]}"
+    for position, (x, y) in enumerate(zip(a[4], b[4])):
+        if x == y:
+            continue
+        if isinstance(x, TensorRef) and isinstance(y, TensorRef):
+            if x.sizes != y.sizes:
+                return f"input {position} has shape {x.sizes} instead of {y.sizes}"
+            if x.dtype != y.dtype:
+                return f"input {position} has dtype {x.dtype} instead of {y.dtype}"
+            return f"input {position} has another layout"
+        if isinstance(x, int) and isinstance(y, int):
+            return f"input {position} (a dynamic size) is {x} instead of {y} (torchtpu.bounded buckets sizes)"
+        return f"input {position} is {x!r} instead of {y!r}"
+    if a[5] != b[5]:
+        return f"bounded dimensions at buckets {a[5]} instead of {b[5]}"
+    return "the inputs' storages differ in size or initialisation"
 
 
 def _compiler(kind: str):

@@ -331,7 +331,7 @@ def _compile(graph: _Graph, outputs: tuple, donate: tuple, device: int):
 
 
 def _log_recompile(program_keys: list[tuple]) -> None:
-    if os.environ.get("TORCHTPU_LOG_RECOMPILES", "0") not in ("", "0"):
+    if eager.log_recompiles():
         print(f"[torchtpu] defer: compiling a new graph of {len(program_keys)} ops; "
               + describe_difference(program_keys, _recent_keys), file=sys.stderr)
     _recent_keys.append(program_keys)
@@ -344,7 +344,9 @@ def describe_difference(program_keys: list[tuple], previous: list[list[tuple]]) 
         return "first graph"
 
     def distance(other):
-        return sum(1 for a, b in zip(program_keys, other) if a != b) + abs(len(program_keys) - len(other))
+        length = abs(len(program_keys) - len(other))
+        ops = sum(1 for a, b in zip(program_keys, other) if a[0] != b[0]) + length
+        return ops, sum(1 for a, b in zip(program_keys, other) if a != b) + length
 
     nearest = min(previous, key=distance)
     for position, (a, b) in enumerate(zip(program_keys, nearest)):
@@ -352,7 +354,7 @@ def describe_difference(program_keys: list[tuple], previous: list[list[tuple]]) 
             continue
         if a[0] != b[0]:
             return f"op {position} is {a[0]} where the nearest cached graph has {b[0]}"
-        return f"op {position} ({a[0]}): " + opcall.describe_key_difference(a, b)
+        return f"op {position} ({a[0]}): " + eager.describe_key_difference(a, b)
     if len(nearest) != len(program_keys):
         return f"the nearest cached graph has {len(nearest)} ops instead of {len(program_keys)}"
     return "same ops; different outputs, donation or inputs"

@@ -11,12 +11,15 @@ a copy, as PyTorch's in-place ops do.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch._ops import OpOverload
 
 from torchtpu import counters, runtime
 from torchtpu.exec import checks, modes, opcall
@@ -54,9 +57,36 @@ def _compile(call: opcall.Call) -> Executable:
         jitted = jax.jit(program.fn, donate_argnums=donate, out_shardings=SingleDeviceSharding(device))
     counters.count("eager_programs")
     counters.count_op("eager_programs_by_op", str(call.key[0]))
+    _note_compile(call.key)
     exe = Executable(program, jitted, len(program.written), len(program.new), sharded)
     _cache[call.key] = exe
     return exe
+
+
+_keys_by_op: dict[Any, list[tuple]] = {}
+
+
+def log_recompiles() -> bool:
+    return os.environ.get("TORCHTPU_LOG_RECOMPILES", "0") not in ("", "0")
+
+
+def _note_compile(key: tuple) -> None:
+    """With TORCHTPU_LOG_RECOMPILES=1, say why an op (or compiled graph) compiles again."""
+    previous = _keys_by_op.setdefault(key[0], [])
+    if previous and log_recompiles():
+        print(f"[torchtpu] strict: recompiling {key[0]}: {describe_key_difference(key, previous[-1])}",
+              file=sys.stderr)
+    previous.append(key)
+    del previous[:-8]
+
+
+def describe_key_difference(a: tuple, b: tuple) -> str:
+    """What differs between two compile keys of the same op or compiled graph."""
+    if isinstance(a[0], OpOverload):
+        return opcall.describe_key_difference(a, b)
+    from torchtpu.exec import compile as compiled
+
+    return compiled.describe_key_difference(a, b)
 
 
 def run(call: opcall.Call) -> Any:
@@ -66,6 +96,8 @@ def run(call: opcall.Call) -> Any:
     if compiled_now:
         start = time.perf_counter()
         exe = _compile(call)
+    else:
+        counters.count("eager_cache_hits")
     buffers = call.buffers
     program = exe.program
     inputs = [buffers[i].value for i in program.inputs]

@@ -9,6 +9,8 @@ here.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 from typing import Any, Callable, Sequence
 
@@ -17,6 +19,7 @@ import torch.fx
 from torch._ops import OpOverload
 
 from torchtpu import random as tpu_random
+from torchtpu.exec.bucketing import Padding, SymValue
 from torchtpu.ops import registry
 from torchtpu.ops.schema import signature
 
@@ -109,10 +112,12 @@ def interpret(
     rng_words: Any = None,
     checks: list | None = None,
     writes: dict[int, Any] | None = None,
+    padding: Padding | None = None,
 ) -> list[Any]:
     """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list.
     Device-side checks the lowerings state are appended to `checks` as (flag, message); the new
-    values of inputs the graph copies into go to `writes`, by input position."""
+    values of inputs the graph copies into go to `writes`, by input position. With `padding`,
+    the values are at bucket size and each op runs through its bucketing rule."""
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
     input_position: dict[torch.fx.Node, int] = {}
@@ -126,6 +131,8 @@ def interpret(
     for position, node in enumerate(gm.graph.nodes):
         if node.op == "placeholder":
             env[node] = next(placeholders)
+            if padding is not None:
+                env[node] = padding.placeholder(len(input_position), env[node])
             input_position[node] = len(input_position)
         elif node.op == "get_attr":
             env[node] = _constant(getattr(gm, node.target))
@@ -133,12 +140,17 @@ def interpret(
             target = node.target
             args, kwargs = load(node.args), load(node.kwargs)
             if target in _PYTHON_TARGETS:
-                env[node] = _PYTHON_TARGETS[target](*args, **kwargs)
+                if padding is not None:
+                    env[node] = padding.python_op(_PYTHON_TARGETS[target], args)
+                else:
+                    env[node] = _PYTHON_TARGETS[target](*args, **kwargs)
             elif isinstance(target, OpOverload) and target in _SIZE_QUERIES:
                 query = _SIZE_QUERIES[target]
                 if query is None:
                     raise UnsupportedNode(f"{target} (strides are not observable in compiled tpu graphs)")
                 env[node] = query(*args, **kwargs)
+                if padding is not None:
+                    env[node] = padding.size_query(node.meta.get("val"), env[node])
             elif isinstance(target, OpOverload):
                 copies_input = _is_input_copy(node)
                 if copies_input:
@@ -157,8 +169,13 @@ def interpret(
                 ctx = registry.LoweringContext(
                     target, meta_args, node.meta.get("val"), precision, platform, rng
                 )
-                pos, kw = sig.split(values)
-                env[node] = lowering.fn(ctx, *pos, **kw)
+                if padding is None:
+                    pos, kw = sig.split(values)
+                    env[node] = lowering.fn(ctx, *pos, **kw)
+                else:
+                    invoke = functools.partial(_invoke, ctx, sig)
+                    values = padding.resolve(target, sig, values)
+                    env[node] = padding.call(target, values, meta_args, node.meta.get("val"), invoke)
                 if checks is not None:
                     checks.extend(ctx.checks)
                 if copies_input:
@@ -170,9 +187,19 @@ def interpret(
         elif node.op == "output":
             result = load(node.args[0])
             outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+            if padding is not None:
+                outputs = [o.bucket if isinstance(o, SymValue) else o for o in outputs]
         else:
             raise UnsupportedNode(f"{node.op} nodes (node {node.name})")
     return outputs
+
+
+def _invoke(ctx: registry.LoweringContext, sig, op: OpOverload, values: list) -> Any:
+    """Run `op`'s lowering on schema-ordered `values` (`op` shares `ctx.op`'s argument list)."""
+    if op is not ctx.op:
+        ctx = dataclasses.replace(ctx, op=op)
+    pos, kw = sig.split(values)
+    return registry.get(op).fn(ctx, *pos, **kw)
 
 
 def needs_rng(gm: torch.fx.GraphModule) -> bool:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.sparsecore_preprocess import zipf_ids
+from embeddings.bench.workload import zipf_ids
 from sparsecore import optimizers
 from sparsecore.api import SparseCoreEmbedding
 from sparsecore.layout import StackGroup, stack_tables

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from embeddings.bench.workload import zipf_ids
 from sparsecore.layout import auto_stack_tables, stack_tables
 from sparsecore.preprocess import RaggedIds, preprocess, update_limits
 from sparsecore.spec import FeatureSpec, TableSpec
@@ -33,15 +34,7 @@ from sparsecore.topology import Topology
 BATCH = 2048
 TABLES = 8
 IDS_PER_BAG = 20
-ZIPF_EXPONENT = 1.05
 DIM = 64
-
-
-def zipf_ids(rng: np.random.Generator, vocabulary: int, count: int) -> np.ndarray:
-    """Ids over [0, vocabulary) with P(rank k) ~ (k + 1)^-1.05, ranks hashed to ids."""
-    cdf = np.cumsum(1.0 / np.arange(1, vocabulary + 1) ** ZIPF_EXPONENT)
-    ranks = np.searchsorted(cdf, rng.random(count) * cdf[-1])
-    return rng.permutation(vocabulary)[ranks].astype(np.int64)
 
 
 def workload(rows: int, seed: int = 0) -> tuple[list[FeatureSpec], dict[str, RaggedIds]]:

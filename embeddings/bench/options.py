@@ -245,7 +245,7 @@ def _sweep(text: str | None, p: argparse.ArgumentParser) -> Sweep | None:
         reason = " (the device count is fixed when jax starts)" if key in ("devices", "processes") else ""
         raise BenchOptionError(f"--sweep {text!r}: {key} cannot be swept{reason}; sweepable: {', '.join(sweepable)}")
     swept = tuple(v for v in values.split(",") if v)
-    if len(swept) < 2 or key == "rows" and any(":" in v for v in swept):
+    if len(swept) < 2:
         raise BenchOptionError(f"--sweep {text!r}: give at least two values, KEY=v1,v2,...")
     return Sweep(key, swept)
 

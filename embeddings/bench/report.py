@@ -38,7 +38,7 @@ def table(point: PointResult, markdown: bool = False) -> str:
     lines = [
         point.config.describe(),
         f"{point.lookups_per_step:.0f} lookups per step; this machine's random-row gather: "
-        f"{point.gather_gb_per_s:.2f} GB/s",
+        f"{point.gather_gb_per_s:.2f} GB/s; load average {point.load_average:.1f} on {os.cpu_count()} cores",
     ]
     if markdown:
         lines += ["", "| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
@@ -77,6 +77,7 @@ def write_json(path: str, points: Sequence[PointResult], sweep: Sweep | None) ->
                 "sweep_value": None if sweep is None else sweep.values[i],
                 "lookups_per_step": point.lookups_per_step,
                 "gather_gb_per_s": point.gather_gb_per_s,
+                "load_average": point.load_average,
                 "systems": [dataclasses.asdict(result) for result in point.systems],
             }
             for i, point in enumerate(points)
@@ -93,7 +94,8 @@ def write_csv(path: str, points: Sequence[PointResult], sweep: Sweep | None) -> 
     config_keys = list(_config_fields(points[0].config))
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["sweep_key", "sweep_value", *config_keys, "lookups_per_step", "gather_gb_per_s", *metrics])
+        writer.writerow(["sweep_key", "sweep_value", *config_keys, "lookups_per_step", "gather_gb_per_s", "load_average",
+                         *metrics])
         for i, point in enumerate(points):
             config = _config_fields(point.config)
             for result in point.systems:
@@ -103,6 +105,7 @@ def write_csv(path: str, points: Sequence[PointResult], sweep: Sweep | None) -> 
                     *(config[key] for key in config_keys),
                     point.lookups_per_step,
                     point.gather_gb_per_s,
+                    point.load_average,
                     *(getattr(result, key) for key in metrics),
                 ])
 

@@ -8,6 +8,7 @@ after the tpu steps (the other processes wait), and reports.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,11 +35,13 @@ class OutputMismatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class PointResult:
-    """Everything measured at one benchmark point (reported by process 0)."""
+    """Everything measured at one benchmark point (reported by process 0). `load_average` is the
+    machine's 1-minute load average after the timing: other processes move every number."""
 
     config: BenchConfig
     lookups_per_step: float
     gather_gb_per_s: float
+    load_average: float
     systems: tuple[SystemResult, ...]
 
 
@@ -77,7 +80,8 @@ def run_point(config: BenchConfig, rank: int, world: int, advance: Callable[[], 
         return None
     lookups = workload.mean_lookups
     gather = gather_bandwidth(max(config.rows), config.dim, round(lookups), config.seed)
-    return PointResult(config, lookups, gather, tuple(summarise(timings, lookups, config.dim, gather)))
+    systems = tuple(summarise(timings, lookups, config.dim, gather))
+    return PointResult(config, lookups, gather, os.getloadavg()[0], systems)
 
 
 def check_outputs(reference: torch.Tensor, outputs: dict[str, torch.Tensor], dim: int) -> None:

@@ -18,6 +18,7 @@ is the pooled output of batch i (this process's samples), on the host, without t
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from typing import Protocol
@@ -116,7 +117,9 @@ class TpuSystem:
             batch = self.module.prepare(self._kjts[index])
             host = time.perf_counter() - start
             if self._training:
-                self._run(batch).values().backward(self._grads[index])
+                # As a loss would: `values().backward(grad)` itself makes the second step's
+                # collectives differ between processes when each drives one device (see the report).
+                (self._run(batch).values() * self._grads[index]).sum().backward()
             else:
                 with torch.no_grad():
                     self._run(batch)
@@ -124,12 +127,43 @@ class TpuSystem:
         return host
 
 
-class FbgemmSystem:
-    """FBGEMM's CPU TBE with its fused optimizer, over the whole global batch."""
+class _CpuBaseline(abc.ABC):
+    """What the CPU baselines share: they run the whole global batch, take their input as built
+    once outside the step (so no host preprocessing), and train by back-propagating the batch's
+    output gradient (their optimizers are fused or applied in the backward)."""
+
+    name: str
+
+    def __init__(self, workload: Workload) -> None:
+        self.everything = slice(0, workload.config.batch_size)
+        self._grads = [torch.from_numpy(b.output_grad) for b in workload.batches if workload.config.training]
+
+    @abc.abstractmethod
+    def _forward(self, index: int) -> torch.Tensor:
+        """The pooled output `[batch, tables * dim]` of batch `index`."""
+
+    def _train(self, index: int) -> None:
+        self._forward(index).backward(self._grads[index])
+
+    def pooled(self, index: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self._forward(index)
+
+    def step(self, index: int) -> float:
+        if self._grads:
+            self._train(index)
+        else:
+            self.pooled(index)
+        return 0.0
+
+
+class FbgemmSystem(_CpuBaseline):
+    """FBGEMM's CPU TBE with its fused optimizer."""
 
     name = "fbgemm"
 
     def __init__(self, workload: Workload, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(workload)
         config = workload.config
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in workload.tables],
@@ -141,28 +175,19 @@ class FbgemmSystem:
         with torch.no_grad():
             for table, values in zip(self.tbe.split_embedding_weights(), (weights[t.name] for t in workload.tables)):
                 table.copy_(values)
-        everything = slice(0, config.batch_size)
-        self._inputs = [(kjt.values(), kjt.offsets()) for kjt in (b.kjt(everything) for b in workload.batches)]
-        self._grads = [torch.from_numpy(b.output_grad) for b in workload.batches if config.training]
+        self._inputs = [(kjt.values(), kjt.offsets()) for kjt in (b.kjt(self.everything) for b in workload.batches)]
 
-    def pooled(self, index: int) -> torch.Tensor:
-        with torch.no_grad():
-            return self.tbe(*self._inputs[index])
-
-    def step(self, index: int) -> float:
-        if self._grads:
-            self.tbe(*self._inputs[index]).backward(self._grads[index])
-        else:
-            self.pooled(index)
-        return 0.0
+    def _forward(self, index: int) -> torch.Tensor:
+        return self.tbe(*self._inputs[index])
 
 
-class EmbeddingBagSystem:
-    """One `torch.nn.EmbeddingBag` per table and a torch optimizer, over the whole global batch."""
+class EmbeddingBagSystem(_CpuBaseline):
+    """One `torch.nn.EmbeddingBag` per table and a torch optimizer."""
 
     name = "embedding_bag"
 
     def __init__(self, workload: Workload, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(workload)
         config = workload.config
         optimizer, arguments, sparse = _torch_optimizer(config.optimizer, config.learning_rate)
         self.bags = [
@@ -172,36 +197,27 @@ class EmbeddingBagSystem:
             for t in workload.tables
         ]
         self.optimizer = optimizer([bag.weight for bag in self.bags], **arguments)
-        everything = slice(0, config.batch_size)
         self._inputs = [
-            [(jagged.values(), jagged.offsets()) for jagged in batch.kjt(everything).to_dict().values()]
+            [(jagged.values(), jagged.offsets()) for jagged in batch.kjt(self.everything).to_dict().values()]
             for batch in workload.batches
         ]
-        self._grads = [torch.from_numpy(b.output_grad) for b in workload.batches if config.training]
 
     def _forward(self, index: int) -> torch.Tensor:
         return torch.cat([bag(ids, offsets) for bag, (ids, offsets) in zip(self.bags, self._inputs[index])], dim=1)
 
-    def pooled(self, index: int) -> torch.Tensor:
-        with torch.no_grad():
-            return self._forward(index)
-
-    def step(self, index: int) -> float:
-        if self._grads:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._forward(index).backward(self._grads[index])
-            self.optimizer.step()
-        else:
-            self.pooled(index)
-        return 0.0
+    def _train(self, index: int) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        super()._train(index)
+        self.optimizer.step()
 
 
-class TorchRecSystem:
+class TorchRecSystem(_CpuBaseline):
     """TorchRec's unsharded `EmbeddingBagCollection` on CPU, the optimizer applied in backward."""
 
     name = "torchrec"
 
     def __init__(self, workload: Workload, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(workload)
         config = workload.config
         self.ebc = EmbeddingBagCollection(tables=list(workload.tables), device=torch.device("cpu"))
         self.ebc.load_state_dict({f"embedding_bags.{name}.weight": value for name, value in weights.items()})
@@ -210,17 +226,7 @@ class TorchRecSystem:
             for bag in self.ebc.embedding_bags.values():
                 bag.sparse = sparse
             apply_optimizer_in_backward(optimizer, self.ebc.parameters(), arguments)
-        everything = slice(0, config.batch_size)
-        self._kjts = [batch.kjt(everything) for batch in workload.batches]
-        self._grads = [torch.from_numpy(b.output_grad) for b in workload.batches if config.training]
+        self._kjts = [batch.kjt(self.everything) for batch in workload.batches]
 
-    def pooled(self, index: int) -> torch.Tensor:
-        with torch.no_grad():
-            return self.ebc(self._kjts[index]).values()
-
-    def step(self, index: int) -> float:
-        if self._grads:
-            self.ebc(self._kjts[index]).values().backward(self._grads[index])
-        else:
-            self.pooled(index)
-        return 0.0
+    def _forward(self, index: int) -> torch.Tensor:
+        return self.ebc(self._kjts[index]).values()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -29,26 +30,26 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_end_to_end_sweep_json_csv_plot(tmp_path):
+    """A learning-rate sweep: the rate is a runtime input, so the second point reuses most of the
+    first one's programs and the test stays short."""
     out = {kind: tmp_path / f"bench.{kind}" for kind in ("json", "csv", "png")}
-    argv = [*TINY, "--sweep", "batch-size=16,32", "--json", str(out["json"]), "--csv", str(out["csv"]),
+    argv = [*TINY, "--batch-size", "32", "--sweep", "learning-rate=0.01,0.05", "--json", str(out["json"]), "--csv", str(out["csv"]),
             "--plot", str(out["png"]), "--no-progress"]
-    env = {**os.environ, "TORCHTPU_LOCK_DIR": str(tmp_path / "locks")}
-    done = subprocess.run([sys.executable, "-m", "embeddings.bench.cli", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = _run_cli(argv, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for system in SYSTEMS:
         assert system in done.stdout
 
     document = json.loads(out["json"].read_text())
-    assert document["sweep"] == {"key": "batch-size", "values": ["16", "32"]}
-    assert [p["sweep_value"] for p in document["points"]] == ["16", "32"]
+    assert document["sweep"] == {"key": "learning-rate", "values": ["0.01", "0.05"]}
+    assert [p["sweep_value"] for p in document["points"]] == ["0.01", "0.05"]
     fields = {f.name for f in dataclasses.fields(SystemResult)}
-    for point, batch_size in zip(document["points"], (16, 32)):
-        config = parse([*TINY, "--batch-size", str(batch_size)]).configs[0]
-        assert point["config"]["batch_size"] == batch_size
+    for point, learning_rate in zip(document["points"], (0.01, 0.05)):
+        config = parse([*TINY, "--batch-size", "32"]).configs[0]
+        assert point["config"]["learning_rate"] == learning_rate and point["config"]["batch_size"] == 32
         assert set(point["config"]) == {f.name for f in dataclasses.fields(BenchConfig)}
         assert point["lookups_per_step"] == make_workload(config).mean_lookups
-        assert point["gather_gb_per_s"] > 0
+        assert point["gather_gb_per_s"] > 0 and point["load_average"] >= 0
         systems = {s["system"]: s for s in point["systems"]}
         assert set(systems) == set(SYSTEMS)
         for name, result in systems.items():
@@ -60,14 +61,18 @@ def test_cli_end_to_end_sweep_json_csv_plot(tmp_path):
             assert result["gb_per_s"] == pytest.approx(result["lookups_per_s"] * 8 * 4 / 1e9)
             assert result["gather_share"] == pytest.approx(result["gb_per_s"] / point["gather_gb_per_s"])
             assert result["vs_fbgemm"] == pytest.approx(result["p50_ms"] / systems["fbgemm"]["p50_ms"])
-        assert systems["tpu"]["compiles"] > 0 and systems["tpu"]["compile_s"] > 0
         assert 0 < systems["tpu"]["host_share"] < 1
+        assert systems["tpu"]["measured_compiles"] == 0
         for name in SYSTEMS[1:]:
             assert systems[name]["compiles"] == 0 and systems[name]["host_share"] == 0
 
+    first, second = ({s["system"]: s for s in p["systems"]}["tpu"] for p in document["points"])
+    assert first["compiles"] > 0 and first["compile_s"] > 0
+    assert second["compiles"] < first["compiles"]
+
     with out["csv"].open() as f:
         rows = list(csv.DictReader(f))
-    assert [(r["sweep_value"], r["system"]) for r in rows] == [(v, s) for v in ("16", "32") for s in SYSTEMS]
+    assert [(r["sweep_value"], r["system"]) for r in rows] == [(v, s) for v in ("0.01", "0.05") for s in SYSTEMS]
 
     png = out["png"].read_bytes()
     assert png.startswith(PNG_SIGNATURE)
@@ -75,6 +80,30 @@ def test_cli_end_to_end_sweep_json_csv_plot(tmp_path):
 
     height, width, _ = image.imread(out["png"]).shape
     assert height > 100 and width > 100
+
+
+@pytest.mark.slow
+def test_cli_two_processes(tmp_path):
+    """Two spawned stand-in hosts of one device each: one mesh, process 0 reports."""
+    path = tmp_path / "bench.json"
+    argv = [*TINY, "--devices", "1", "--processes", "2", "--batch-size", "32", "--json", str(path), "--no-progress"]
+    done = _run_cli(argv, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (point,) = json.loads(path.read_text())["points"]
+    assert point["config"]["processes"] == 2
+    assert [s["system"] for s in point["systems"]] == list(SYSTEMS)
+    assert point["lookups_per_step"] == make_workload(parse(argv).configs[0]).mean_lookups
+
+
+def _run_cli(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCHTPU_LOCK_DIR": str(tmp_path / "locks")}
+    return subprocess.run([sys.executable, "-m", "embeddings.bench.cli", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_console_script_is_the_cli():
+    scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts["torchtpu-embedding-bench"] == "embeddings.bench.cli:main"
 
 
 @pytest.mark.parametrize(

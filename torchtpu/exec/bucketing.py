@@ -90,11 +90,11 @@ class CallPlan:
     sizes: dict  # bounded symbol -> true size
     fixed: dict  # every other symbol -> its value in this call
     policies: dict  # bounded symbol -> Buckets
-    symints: dict  # argument position -> the symbol of a SymInt argument
+    symints: dict  # argument position -> size expression of a SymInt argument with a bounded symbol
 
     @property
     def key(self) -> tuple:
-        return tuple(sorted((str(s), b) for s, b in self.buckets.items()))
+        return tuple(sorted((str(s), v) for s, v in {**self.fixed, **self.buckets}.items()))
 
     def sizes_for_trace(self) -> "TraceSizes":
         """What tracing needs (no tensors: a compiled program must not keep this call's args)."""
@@ -136,19 +136,18 @@ class CallPlan:
         return view
 
 
-def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan | None:
-    """Find the bounded symbols of one call from the marked storages of its tensor arguments;
-    None when the graph has no bounded dimension (or the call none)."""
+def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan:
+    """Bind the symbols of one call of a symbolic graph to this call's sizes, and find the
+    bounded ones from the marked storages of its tensor arguments."""
     policies: dict = {}
     sizes: dict = {}
     fixed: dict = {}
     symints: dict = {}
     for position, (meta, arg) in enumerate(zip(metas, args)):
         if isinstance(meta, torch.SymInt):
-            expr = _expr(meta)
+            expr = symints[position] = _expr(meta)
             if expr.is_Symbol:
                 fixed[expr] = int(arg)
-                symints[position] = expr
             continue
         if not isinstance(meta, torch.Tensor) or not isinstance(arg, torch.Tensor):
             continue
@@ -167,21 +166,20 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan | None:
                             f"bounded dimension {symbol} is padded to {known} in one input and to "
                             f"{marks[axis]} in input {position}: bound it with the same buckets"
                         )
-    if not policies:
-        return None
     for symbol in policies:
         if symbol not in fixed:
             raise BucketingError(f"the true size of bounded dimension {symbol} is not an input size")
         sizes[symbol] = fixed.pop(symbol)
     buckets = {symbol: policies[symbol].bucket(sizes[symbol]) for symbol in policies}
-    plan = CallPlan([], buckets, sizes, fixed, policies, {p: s for p, s in symints.items() if s in buckets})
+    symints = {p: e for p, e in symints.items() if e.free_symbols & buckets.keys()}
+    plan = CallPlan([], buckets, sizes, fixed, policies, symints)
     plan.args = [_padded_arg(plan, position, meta, arg) for position, (meta, arg) in enumerate(zip(metas, args))]
     return plan
 
 
 def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any) -> Any:
     if position in plan.symints:
-        return plan.buckets[plan.symints[position]]
+        return int(_evaluate(plan.symints[position], {**plan.fixed, **plan.buckets}))
     if not isinstance(arg, torch.Tensor) or not isinstance(meta, torch.Tensor):
         return arg
     padded = plan.bucket_sizes(meta)
@@ -212,16 +210,35 @@ Invoke = Callable[[OpOverload, list], Any]  # runs an overload's registry loweri
 
 
 class Padding:
-    """What the trace of one bounded call knows: the bounded symbols' buckets and true sizes."""
+    """The sizes of one traced call of a symbolic graph: each symbol's value (a bounded one's at
+    its bucket: the trace's shapes) and the bounded symbols' true sizes (traced values)."""
 
     def __init__(self, sizes: TraceSizes, true_sizes: Sequence[Any]) -> None:
+        import sympy
+
         self.bounded = frozenset(sizes.buckets)
         self.true = {**sizes.fixed, **dict(zip(sizes.order, true_sizes))}
+        self.static = {s: sympy.Integer(v) for s, v in {**sizes.fixed, **sizes.buckets}.items()}
         self.symints = sizes.symints
 
+    def concrete(self, meta: Any) -> Any:
+        """Fake-tensor metadata with symbolic sizes -> meta tensors at this trace's sizes."""
+        if isinstance(meta, torch.SymInt):
+            return int(_expr(meta).xreplace(self.static))
+        if isinstance(meta, (list, tuple)):
+            return type(meta)(self.concrete(m) for m in meta)
+        if not isinstance(meta, torch.Tensor):
+            return meta
+        layout = (*meta.shape, *meta.stride(), meta.storage_offset())
+        if not any(isinstance(v, torch.SymInt) for v in layout):
+            return meta
+        sizes = tuple(self.concrete(s) for s in meta.shape)
+        strides = tuple(self.concrete(s) for s in meta.stride())
+        return torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta")
+
     def placeholder(self, position: int, value: Any) -> Any:
-        symbol = self.symints.get(position)
-        return SymValue(value, self.true[symbol]) if symbol is not None else value
+        expr = self.symints.get(position)
+        return SymValue(value, _evaluate(expr, self.true)) if expr is not None else value
 
     def size_query(self, meta: Any, bucket: int) -> Any:
         expr = _expr(meta)
@@ -354,7 +371,7 @@ def _mean(self: Padding, op, values, metas, out_meta, invoke):
     valid = self.axes(meta)
     count = 1
     for d in dims:
-        count = count * (valid[d] if d in valid else meta.shape[d])
+        count = count * (valid[d] if d in valid else values[0].shape[d])
     values = list(values)
     values[0] = self.masked(values[0], meta, 0, dims)
     total = invoke(_SUM_OF_MEAN[op], values)

@@ -91,7 +91,10 @@ class CompiledGraph:
             node.meta.get("val") if isinstance(node, torch.fx.Node) else node
             for node in (output if isinstance(output, (list, tuple)) else (output,))
         ]
-        self.symbolic = any(isinstance(m, torch.SymInt) for m in self.input_metas)
+        self.symbolic = any(
+            isinstance(m, torch.SymInt) or (isinstance(m, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in m.shape))
+            for m in self.input_metas
+        )
         if self.missing:
             counters.count("compiled_graphs_run_eagerly")
             warnings.warn(
@@ -105,9 +108,9 @@ class CompiledGraph:
             return self.gm(*args)
         from torchtpu.exec.kernels import submit
 
-        plan = bucketing.plan_call(self.input_metas, args) if self.symbolic else None
-        if plan is None:
+        if not self.symbolic:
             return submit(GraphCall(self, args))
+        plan = bucketing.plan_call(self.input_metas, args)
         outs = submit(GraphCall(self, plan.args, plan))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]

@@ -53,13 +53,6 @@ def _meta(value: Any) -> Any:
     return value
 
 
-def _sym_sizes(value: Any) -> Any:
-    """SymInts in node metadata -> their hint values (the graph runs with concrete shapes)."""
-    if isinstance(value, torch.SymInt):
-        return value.node.hint if value.node.hint is not None else int(value)
-    return value
-
-
 def unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
     """ATen overloads in `gm` that have no lowering (the compiler will refuse the graph)."""
     missing = []
@@ -116,8 +109,9 @@ def interpret(
 ) -> list[Any]:
     """Evaluate `gm` on JAX values (inside a trace) and return its outputs as a flat list.
     Device-side checks the lowerings state are appended to `checks` as (flag, message); the new
-    values of inputs the graph copies into go to `writes`, by input position. With `padding`,
-    the values are at bucket size and each op runs through its bucketing rule."""
+    values of inputs the graph copies into go to `writes`, by input position. A graph with
+    symbolic sizes needs `padding`, the sizes of this call: lowerings see metadata at those sizes,
+    and bounded dimensions run at bucket size, each op through its bucketing rule."""
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
     input_position: dict[torch.fx.Node, int] = {}
@@ -163,19 +157,21 @@ def interpret(
                 sig = signature(target)
                 values = sig.normalize(tuple(args), dict(kwargs))
                 meta_args = sig.normalize(tuple(_meta(node.args)), dict(_meta(node.kwargs)))
+                meta_out = node.meta.get("val")
+                if padding is not None:
+                    meta_args, meta_out = padding.concrete(meta_args), padding.concrete(meta_out)
                 rng = jax.random.fold_in(rng_base, position) if lowering.random else None
                 if lowering.random and rng_base is None:
                     raise UnsupportedNode(f"{target} needs random numbers but the graph got no key")
-                ctx = registry.LoweringContext(
-                    target, meta_args, node.meta.get("val"), precision, platform, rng
-                )
+                ctx = registry.LoweringContext(target, meta_args, meta_out, precision, platform, rng)
                 if padding is None:
                     pos, kw = sig.split(values)
                     env[node] = lowering.fn(ctx, *pos, **kw)
                 else:
                     invoke = functools.partial(_invoke, ctx, sig)
                     values = padding.resolve(target, sig, values)
-                    env[node] = padding.call(target, values, meta_args, node.meta.get("val"), invoke)
+                    symbolic_args = sig.normalize(tuple(_meta(node.args)), dict(_meta(node.kwargs)))
+                    env[node] = padding.call(target, values, symbolic_args, node.meta.get("val"), invoke)
                 if checks is not None:
                     checks.extend(ctx.checks)
                 if copies_input:

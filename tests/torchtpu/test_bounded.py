@@ -1,0 +1,160 @@
+"""Bounded dynamism: a batch size or sequence length declared with `torchtpu.bounded` compiles one
+program per bucket, and every result equals PyTorch CPU's unpadded computation."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu
+from torchtpu.exec.bucketing import BucketingError
+
+
+def test_buckets_are_powers_of_two_or_the_given_sizes():
+    powers = torchtpu.Buckets()
+    assert [powers.bucket(n) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
+    listed = torchtpu.Buckets([48, 16, 200])
+    assert [listed.bucket(n) for n in (1, 16, 17, 200)] == [16, 16, 48, 200]
+    with pytest.raises(ValueError, match="size 201 exceeds its bound 200"):
+        listed.bucket(201)
+    with pytest.raises(ValueError, match="at least one entry"):
+        powers.bucket(0)
+
+
+def test_bounded_stores_padding_after_the_true_entries():
+    x = torch.arange(15.0).reshape(5, 3)
+    t = torchtpu.bounded(x, dim=0)
+    assert t.shape == (5, 3) and t.device.type == "tpu"
+    assert torch.equal(t.cpu(), x)
+    assert t.untyped_storage().nbytes() == 8 * 3 * 4  # bucket 8
+    whole = torch.empty(0, device="tpu").set_(t.untyped_storage(), 0, (8, 3), (3, 1))
+    assert torch.equal(whole.cpu()[5:], x[:1].expand(3, 3))  # pad rows repeat the first row
+    assert set(torchtpu.bounds.bounds_of(t)) == {0}
+    with pytest.raises(ValueError, match="pads on the host"):
+        torchtpu.bounded(t, dim=0)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def _loss(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def _graph_programs(kind: str) -> int:
+    by_op = torchtpu.metrics().get("eager_programs_by_op", {})
+    return sum(n for name, n in by_op.items() if name.startswith(kind))
+
+
+@pytest.mark.parametrize("mode", ["defer", "compiled"])
+def test_random_batch_sizes_compile_one_program_per_bucket_and_match_cpu(mode):
+    """100 SGD steps with batch sizes drawn from 1..256: at most 9 programs (buckets 1, 2, 4, ...,
+    256), each step's loss and updated parameters equal to CPU's. (SGD without momentum: an
+    optimizer with state compiles its first step once more, when it creates the state.)"""
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = copy.deepcopy(reference).to("tpu")
+    opt_cpu = torch.optim.SGD(reference.parameters(), lr=0.05)
+    opt_tpu = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = torch.compile(_loss, backend="tpu")
+    draw = random.Random(0)
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    with torch.tpu.precision("highest"), torchtpu.eager_mode("defer" if mode == "defer" else "strict"):
+        for _ in range(100):
+            n = draw.randint(1, 256)
+            x, y = torch.randn(n, 32), torch.randint(0, 10, (n,))
+            opt_cpu.zero_grad()
+            opt_tpu.zero_grad()
+            expected = _loss(reference, x, y)
+            opt_cpu.step()
+            actual = step(model, torchtpu.bounded(x, 0), torchtpu.bounded(y, 0))
+            opt_tpu.step()
+            torch.testing.assert_close(actual.cpu(), expected.detach(), msg=f"loss at batch size {n}")
+            for p_tpu, p_cpu in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p_tpu.cpu(), p_cpu, msg=f"parameters after batch size {n}")
+    metrics = torchtpu.metrics()
+    if mode == "defer":
+        assert metrics["defer_compiles"] <= 9
+    else:
+        assert _graph_programs("forward_graph") <= 9 and _graph_programs("backward_graph") <= 9
+
+
+class Attention(nn.Module):
+    """Self-attention over a bounded sequence: softmax, contractions and a mean over it."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
+        mixed = (attn @ v).transpose(1, 2).reshape(b, t, d)
+        return self.out((x + mixed).mean(dim=1))
+
+
+def test_bounded_sequence_length_masks_attention_and_means():
+    """One sequence of bounded length: softmax over padded keys, contractions and a mean over
+    the sequence, forward and backward."""
+    torch.manual_seed(0)
+    reference = Attention()
+    model = copy.deepcopy(reference).to("tpu")
+    forward = torch.compile(lambda m, x: m(x).square().sum(), backend="tpu")
+    torch._dynamo.reset()
+    with torch.tpu.precision("highest"):
+        for length in (3, 7, 13):
+            x = torch.randn(1, length, 16)
+            reference.zero_grad()
+            model.zero_grad()
+            expected = reference(x).square().sum()
+            expected.backward()
+            actual = forward(model, torchtpu.bounded(x, dim=1))
+            actual.backward()
+            torch.testing.assert_close(actual.detach().cpu(), expected.detach())
+            for (name, p_cpu), p_tpu in zip(reference.named_parameters(), model.parameters()):
+                torch.testing.assert_close(p_tpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6,
+                                           msg=f"{name} at length {length}")
+
+
+def test_a_bounded_axis_merged_under_another_is_refused():
+    """nn.Linear flattens (batch, sequence) into rows: with a bounded sequence inside a batch of
+    two, pad rows would sit between real ones, which the masks do not model."""
+    model = Attention().to("tpu")
+    forward = torch.compile(model, backend="tpu")
+    with pytest.raises(BucketingError, match="puts bounded axis 1 inside another axis"):
+        forward(torchtpu.bounded(torch.randn(2, 5, 16), dim=1))
+
+
+def test_an_op_that_would_mix_pad_rows_is_refused():
+    x = torchtpu.bounded(torch.randn(5, 3), 0)
+    flipped = torch.compile(lambda t: t.flip(0) * 2, backend="tpu")
+    with pytest.raises(BucketingError, match="aten.flip.default reads argument 0 along its bounded axes"):
+        flipped(x)
+    norm = nn.BatchNorm1d(3).to("tpu")
+    with pytest.raises(BucketingError, match="batch_norm"):
+        torch.compile(norm, backend="tpu")(torchtpu.bounded(torch.randn(6, 3), 0))
+
+
+def test_without_bounds_a_new_shape_recompiles_and_the_log_says_which(monkeypatch, capfd):
+    monkeypatch.setenv("TORCHTPU_LOG_RECOMPILES", "1")
+    double = torch.compile(lambda t: (t * 2).sum(), backend="tpu")
+    torch._dynamo.reset()
+    for n in (4, 5, 6):
+        double(torch.ones(n, 3, device="tpu")).item()
+    err = capfd.readouterr().err
+    assert "recompiling inference_graph" in err and "(a dynamic size) is 6 instead of 5" in err

@@ -30,7 +30,7 @@ Sharding types and what runs in each shard (`torchrec_plugin.sharders`):
   the device holds them.
 * data-parallel: compute kernel DENSE, an `embedding_bag` on the device, gradients through DDP.
 
-One process drives one tpu device. See `torchrec_plugin.topology` for the chip presets and
+One process drives one tpu device. See `torchrec_plugin.hardware` for the chip presets and
 `torchrec_plugin.estimators` for what the planner counts.
 """
 
@@ -41,9 +41,12 @@ from typing import Any
 from torchrec.distributed.types import ModuleSharder
 from torch import nn
 
-from torchrec_plugin.planner import TpuShardingPlanner, planner
+from torchtpu.ops import fbgemm as _fbgemm
+from torchrec_plugin.planning import TpuShardingPlanner, planner
 from torchrec_plugin.sharders import EmbeddingBagCollectionSharder
-from torchrec_plugin.topology import TpuTopology, topology
+from torchrec_plugin.hardware import TpuTopology, topology
+
+_fbgemm.install()
 
 __all__ = ["EmbeddingBagCollectionSharder", "TpuShardingPlanner", "TpuTopology", "planner", "sharders", "topology"]
 

@@ -32,7 +32,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ShardingType
 
 from sparsecore.layout import round_up
-from torchrec_plugin.topology import TpuTopology
+from torchrec_plugin.hardware import TpuTopology
 
 __all__ = ["ID_HEADROOM", "ShardCost", "TpuPerfEstimator", "TpuStorageEstimator", "shard_cost"]
 
@@ -128,7 +128,7 @@ def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology) -
 class _TpuEstimator(ShardEstimator):
     def __init__(self, topology: Topology, constraints: dict[str, ParameterConstraints] | None = None) -> None:
         if not isinstance(topology, TpuTopology):
-            raise TypeError(f"the tpu estimators need a TpuTopology (torchrec_plugin.topology), got {type(topology)}")
+            raise TypeError(f"the tpu estimators need a TpuTopology (torchrec_plugin.topology(...)), got {type(topology)}")
         self._topology = topology
         self._constraints = constraints
 
@@ -136,7 +136,7 @@ class _TpuEstimator(ShardEstimator):
 class TpuStorageEstimator(_TpuEstimator):
     """Per-shard HBM (see the module docstring); nothing in host memory."""
 
-    def estimate(self, sharding_options: list[ShardingOption], sharder_map=None) -> None:
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
             for shard in option.shards:
                 shard.storage = Storage(hbm=shard_cost(option, shard.size, self._topology).hbm, ddr=0)
@@ -145,7 +145,7 @@ class TpuStorageEstimator(_TpuEstimator):
 class TpuPerfEstimator(_TpuEstimator):
     """Per-shard perf from the topology's HBM and ICI/DCN bandwidths."""
 
-    def estimate(self, sharding_options: list[ShardingOption], sharder_map=None) -> None:
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
             for shard in option.shards:
                 shard.perf = shard_cost(option, shard.size, self._topology).perf

@@ -29,7 +29,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingPlan
 
 from torchrec_plugin.estimators import TpuPerfEstimator, TpuStorageEstimator
-from torchrec_plugin.topology import TpuTopology
+from torchrec_plugin.hardware import TpuTopology
 
 __all__ = [
     "DENSE_BYTES_PER_PARAMETER_BYTE",
@@ -133,20 +133,24 @@ def _with_device_indices(plan: ShardingPlan, topology: Topology) -> ShardingPlan
     return plan
 
 
-def index_placements(parameter_shardings: dict[str, ParameterSharding], local_world_size: int) -> None:
+def index_placements(parameter_shardings: dict[str, ParameterSharding], local_world_size: int,
+                     rank: int | None = None, device: torch.device | None = None) -> None:
     """Give every shard placement without a device index one: `rank:r/tpu:<r mod local world
-    size>` (TorchRec leaves devices it does not know without an index)."""
+    size>` (TorchRec leaves devices it does not know without an index), or `device` for the
+    shards of `rank` (the device that process drives, whatever its local rank)."""
     for sharding in parameter_shardings.values():
         spec = sharding.sharding_spec
         if not isinstance(spec, EnumerableShardingSpec):
             continue
         shards = []
         for shard in spec.shards:
-            device, rank = shard.placement.device(), shard.placement.rank()
-            if device.index is None:
-                device = torch.device(device.type, rank % local_world_size)
+            where, shard_rank = shard.placement.device(), shard.placement.rank()
+            if shard_rank == rank and device is not None:
+                where = device
+            elif where.index is None:
+                where = torch.device(where.type, shard_rank % local_world_size)
             shards.append(ShardMetadata(shard_offsets=shard.shard_offsets, shard_sizes=shard.shard_sizes,
-                                        placement=f"rank:{rank}/{device}"))
+                                        placement=f"rank:{shard_rank}/{where}"))
         sharding.sharding_spec = EnumerableShardingSpec(shards)
 
 

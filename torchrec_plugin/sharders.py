@@ -16,14 +16,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _TorchRecEBCSharder
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_plugin.planner import index_placements
+from torchrec_plugin.planning import index_placements
 from torchrec_plugin.sharding import POOLED_SHARDINGS, SparseCorePooledLookup
 
 __all__ = ["EmbeddingBagCollectionSharder", "ShardedSparseCoreEmbeddingBagCollection", "TPU_SHARDING_TYPES"]
@@ -67,6 +69,16 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                             qcomm_codecs_registry=qcomm_codecs_registry)
         return strategy(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
 
+    def init_data_parallel(self) -> None:
+        """TorchRec's DDP wrapping of data-parallel lookups, without `static_graph`: DDP's static
+        graph mode needs a pinned-memory allocator that the tpu device does not register yet."""
+        for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups)):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._lookups[i] = DistributedDataParallel(
+                    module=lookup, device_ids=None, process_group=self._env.process_group,
+                    gradient_as_bucket_view=True, broadcast_buffers=True,
+                )
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         self.push()
@@ -91,7 +103,7 @@ class EmbeddingBagCollectionSharder(_TorchRecEBCSharder):
     def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> ShardedSparseCoreEmbeddingBagCollection:
         params = copy.deepcopy(params)
-        index_placements(params, get_local_size(env.world_size))
+        index_placements(params, get_local_size(env.world_size), env.rank, device)
         return ShardedSparseCoreEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

@@ -6,10 +6,12 @@ plan, initial weights and batches."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.remote_device import _remote_device
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as TorchRecEBCSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
@@ -30,6 +32,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import torchrec_plugin
 
 STEPS = 10
+LOCAL_WORLD_SIZE = 2
+"""Ranks per stand-in host (table-row-wise shards over a host's ranks); each rank's process
+drives its own single device."""
 LEARNING_RATE = 0.05
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": LEARNING_RATE}),
@@ -87,9 +92,17 @@ def local_kjt(lengths: np.ndarray, values: list[np.ndarray], rank: int, batch: i
     )
 
 
-def _plan(module: EmbeddingBagCollection, generators: dict, sharder, world: int, device: str) -> ShardingPlan:
-    return ShardingPlan({"": construct_module_sharding_plan(module, generators, sharder=sharder, local_size=world,
-                                                             world_size=world, device_type=device)})
+def _plans(module: EmbeddingBagCollection, generators: dict, sharder, world: int) -> tuple[ShardingPlan, ShardingPlan]:
+    """The plan on tpu, and the same plan on cpu for the reference (TorchRec's own cpu plan
+    helpers place every shard on rank 0)."""
+    tpu = construct_module_sharding_plan(module, generators, sharder=sharder, local_size=LOCAL_WORLD_SIZE, world_size=world,
+                                         device_type="tpu")
+    cpu = copy.deepcopy(tpu)
+    for sharding in cpu.values():
+        if sharding.sharding_spec is not None:
+            for shard in sharding.sharding_spec.shards:
+                shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+    return ShardingPlan({"": tpu}), ShardingPlan({"": cpu})
 
 
 def init_tpu_dist() -> None:
@@ -107,6 +120,7 @@ def init_tpu_dist() -> None:
 
 
 def compare_with_torchrec(rank: int, world: int, batch: int, cases: tuple[tuple[str, str], ...]) -> None:
+    os.environ.update(LOCAL_WORLD_SIZE=str(LOCAL_WORLD_SIZE), LOCAL_RANK=str(rank % LOCAL_WORLD_SIZE))
     init_tpu_dist()
     gloo = dist.new_group(backend="gloo")
     for plan_name, optimizer in cases:
@@ -120,16 +134,15 @@ def _compare(rank: int, world: int, batch: int, plan_name: str, optimizer: str, 
     optimizer_class, kwargs = OPTIMIZERS[optimizer]
     apply_optimizer_in_backward(optimizer_class, ebc.embedding_bags.parameters(), dict(kwargs))
     initial = {k: v.clone() for k, v in ebc.state_dict().items()}
-    generators = plans(world)[plan_name]
-    reference_sharder = TorchRecEBCSharder()
-    reference = DistributedModelParallel(
-        copy.deepcopy(ebc), device=torch.device("cpu"), env=ShardingEnv.from_process_group(gloo),
-        plan=_plan(ebc, generators, reference_sharder, world, "cpu"), sharders=[reference_sharder],
-    )
     sharders = torchrec_plugin.sharders()
+    tpu_plan, cpu_plan = _plans(ebc, plans(world)[plan_name], sharders[0], world)
+    reference = DistributedModelParallel(
+        copy.deepcopy(ebc), device=torch.device("cpu"), env=ShardingEnv.from_process_group(gloo), plan=cpu_plan,
+        sharders=[TorchRecEBCSharder()],
+    )
     tpu = DistributedModelParallel(
         copy.deepcopy(ebc), device=torch.device("tpu", 0), env=ShardingEnv.from_process_group(dist.group.WORLD),
-        plan=_plan(ebc, generators, sharders[0], world, "tpu"), sharders=sharders,
+        plan=tpu_plan, sharders=sharders,
     )
     reference.load_state_dict(initial)
     tpu.load_state_dict(initial)

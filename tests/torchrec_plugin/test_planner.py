@@ -1,0 +1,113 @@
+"""The TPU planner on a 26-table MLPerf-like DLRM (Criteo 1TB vocabularies, dim 128, row-wise
+Adagrad): plans for v5p x8 and v6e x8 fit each device's HBM, differ where the chips differ, and a
+table larger than a device's HBM gets an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import torchrec_plugin
+from torchrec_plugin.estimators import shard_cost
+from torchrec_plugin.planning import TpuStorageReservation
+
+MLPERF_VOCABULARIES = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938, 155, 4,
+    976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)
+"""Rows of the 26 tables of MLPerf's DLRM-DCNv2 (Criteo 1TB, capped at 40M)."""
+
+BATCH = 2048
+
+
+def mlperf_like(vocabularies=MLPERF_VOCABULARIES, dim: int = 128) -> EmbeddingBagCollection:
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
+        for i, rows in enumerate(vocabularies)
+    ]
+    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.01})
+    return ebc
+
+
+def _plan(chip: str, model: EmbeddingBagCollection):
+    topology = torchrec_plugin.topology(chip, world_size=8)
+    planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH)
+    return topology, planner, planner.plan(model, torchrec_plugin.sharders())
+
+
+def _hbm_per_rank(planner, topology) -> list[int]:
+    used = [0] * topology.world_size
+    for option in planner._best_plan:
+        for shard in option.shards:
+            used[shard.rank] += shard.storage.hbm
+    return used
+
+
+@pytest.fixture(scope="module")
+def plans():
+    model = mlperf_like()
+    return {chip: _plan(chip, model) for chip in ("v5p", "v6e")}
+
+
+def test_plans_fit_hbm_and_place_on_indexed_tpu_devices(plans):
+    for chip, (topology, planner, plan) in plans.items():
+        capacity = topology.chip.hbm_bytes_per_device
+        used = _hbm_per_rank(planner, topology)
+        reserved = planner._storage_reservation.reserved_bytes
+        assert all(0 < u + reserved <= capacity for u in used), (chip, used, capacity)
+        shardings = plan.plan[""]
+        assert len(shardings) == len(MLPERF_VOCABULARIES)
+        for sharding in shardings.values():
+            if sharding.sharding_spec is None:
+                continue
+            for shard in sharding.sharding_spec.shards:
+                assert str(shard.placement.device()) == f"tpu:{shard.placement.rank()}"
+
+
+def test_plans_differ_where_the_chips_differ(plans):
+    """A 40M x 128 table with its mirror needs ~38 GiB: whole on one 95 GiB v5p device, split
+    over several 32 GB v6e devices."""
+    big = [f"t{i}" for i, rows in enumerate(MLPERF_VOCABULARIES) if rows == 40000000]
+    v5p, v6e = plans["v5p"][2].plan[""], plans["v6e"][2].plan[""]
+    assert {v5p[t].sharding_type for t in big} != {v6e[t].sharding_type for t in big} or any(
+        len(v5p[t].ranks) != len(v6e[t].ranks) for t in big
+    )
+    for table in big:
+        assert len(v6e[table].ranks) > 1, (table, v6e[table].sharding_type, v6e[table].ranks)
+
+
+def test_storage_counts_what_lives_in_hbm():
+    topology, planner, _ = _plan("v6e", mlperf_like(MLPERF_VOCABULARIES[:4]))
+    for option in planner._best_plan:
+        for shard in option.shards:
+            cost = shard_cost(option, shard.size, topology)
+            assert shard.storage.hbm == cost.hbm > 0
+            if option.sharding_type != ShardingType.DATA_PARALLEL.value:
+                rows, cols = shard.size
+                assert cost.table >= rows * cols * 4 and cost.mirror == rows * cols * 4
+                assert cost.optimizer >= rows * 4 and cost.buffers > 0 and cost.activations > 0
+
+
+def test_a_table_larger_than_hbm_is_named_with_the_overflow():
+    model = mlperf_like((1000, 2_000_000_000, 50), dim=64)
+    topology = torchrec_plugin.topology("v6e", world_size=8)
+    planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH)
+    with pytest.raises(PlannerError, match=r"table '.*t1' does not fit: .* GiB too much"):
+        planner.plan(model, torchrec_plugin.sharders())
+
+
+def test_topology_presets():
+    for chip, sparsecores in (("v4", 4), ("v5p", 4), ("v6e", 2), ("tpu7x", 2), ("cpu", 4)):
+        topology = torchrec_plugin.topology(chip, world_size=4)
+        assert topology.compute_device == "tpu" and topology.sparsecores_per_device == sparsecores
+        assert all(device.storage.hbm == topology.chip.hbm_bytes_per_device for device in topology.devices)
+    with pytest.raises(ValueError, match="unknown chip 'v9'"):
+        torchrec_plugin.topology("v9", world_size=2)
+    assert TpuStorageReservation().reserved_bytes == 0

@@ -1,0 +1,113 @@
+"""`torch.compile(backend="tpu")`: AOTAutograd's forward and backward graphs compiled through the
+lowering registry, matching PyTorch CPU; graph breaks and the optimizer run in the eager mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _graph_programs() -> dict[str, int]:
+    by_op = torchtpu.metrics().get("eager_programs_by_op", {})
+    return {name: n for name, n in by_op.items() if "_graph_" in name}
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    yield
+    torch._dynamo.reset()
+
+
+def test_inference_matches_cpu_and_reuses_its_program():
+    reference = _mlp().eval()
+    model = torch.compile(copy.deepcopy(reference).to("tpu"), backend="tpu")
+    with torch.tpu.precision("highest"), torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            torch.testing.assert_close(model(x.to("tpu")).cpu(), reference(x))
+    programs = _graph_programs()
+    assert list(programs.values()) == [1] and next(iter(programs)).startswith("inference_graph")
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_training_compiles_forward_and_backward_and_matches_cpu(mode):
+    reference = _mlp()
+    model = copy.deepcopy(reference).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    with torch.tpu.precision("highest"), torchtpu.eager_mode(mode):
+        for step in range(4):
+            x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+            losses = []
+            for forward, opt, device in zip((reference, compiled), optimizers, ("cpu", "tpu")):
+                opt.zero_grad()
+                loss = F.cross_entropy(forward(x.to(device)), y.to(device))
+                loss.backward()
+                opt.step()  # outside the graph, on tpu parameters
+                losses.append(loss.detach().cpu())
+            torch.testing.assert_close(losses[1], losses[0], msg=f"loss at step {step}")
+    for (name, p_cpu), p_tpu in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p_tpu.cpu(), p_cpu, rtol=1e-4, atol=1e-6, msg=name)
+    metrics = torchtpu.metrics()
+    assert metrics["compiled_graphs"] == 2  # one forward, one backward graph
+    if mode == "strict":
+        assert sorted(_graph_programs().values()) == [1, 1]  # each compiled once, then reused
+    else:
+        assert metrics["defer_compiles"] <= 2 and metrics["defer_cache_hits"] >= 2
+
+
+def test_graph_breaks_fall_back_to_the_eager_mode():
+    def fn(x):
+        y = (x * 2).relu()
+        if y.sum() > 0:  # a data-dependent branch: Dynamo breaks the graph here
+            y = y + 1
+        print("eager between the graphs")
+        return y.exp()
+
+    compiled = torch.compile(fn, backend="tpu")
+    x = torch.tensor([[-1.0, 0.5], [2.0, -3.0]])
+    with torchtpu.eager_mode("defer"):
+        out = compiled(x.to("tpu"))
+    torch.testing.assert_close(out.cpu(), fn(x))
+    assert torchtpu.metrics()["compiled_graphs"] >= 2
+
+
+def test_backward_inside_a_compiled_function():
+    """`loss.backward()` inside the compiled function breaks the graph; the backward runs
+    eagerly without Dynamo tracing torchtpu's or JAX's own Python."""
+    reference = _mlp()
+    model = copy.deepcopy(reference).to("tpu")
+
+    def step(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        return loss
+
+    x, y = torch.randn(3, 8), torch.randint(0, 4, (3,))
+    with torch.tpu.precision("highest"):
+        expected = step(reference, x, y)
+        actual = torch.compile(step, backend="tpu")(model, x.to("tpu"), y.to("tpu"))
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach())
+    for p_cpu, p_tpu in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p_tpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamic_shapes_use_each_calls_sizes():
+    """A graph Dynamo made dynamic after a shape change computes sizes from each call's inputs."""
+    fold = torch.compile(lambda t: t.view(t.shape[0] * 2, 2).sum(1), backend="tpu")
+    for n in (4, 6, 8):
+        x = torch.arange(n * 4.0).view(n, 4)
+        torch.testing.assert_close(fold(x.to("tpu")).cpu(), x.view(n * 2, 2).sum(1))

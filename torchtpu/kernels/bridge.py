@@ -1,48 +1,32 @@
-"""Custom kernels: JAX functions (Pallas kernels included) as torch ops on `tpu` tensors.
+"""The bridge: a JAX function (or a Helion kernel) registered as a torch op that runs on `tpu`.
 
-    @torchtpu.kernels.jax_kernel("mylib::scaled_add")
-    def scaled_add(x, y, *, alpha: float = 1.0):
-        return x + alpha * y
-
-    out = scaled_add(a, b, alpha=2.0)          # a, b: tpu tensors -> a tpu tensor
-
-The decorator defines a real torch op (`torch.ops.mylib.scaled_add`). Positional parameters are
-tensors (they arrive in the function as `jax.Array`s, without a copy); keyword-only parameters
-are static Python values (`int`, `float`, `bool`, `str`, or tuples of ints), part of the compile
-key. The op's fake (meta) implementation comes from `jax.eval_shape` of the same function, and its
-`tpu` implementation is a lowering in the one registry -- so the op runs in strict eager mode,
-fuses into the pending graph in defer mode, and compiles inside `torch.compile(backend="tpu")`
-graphs. On CPU tensors the function runs through JAX on the host.
-
-`backward="vjp"` registers autograd from `jax.vjp` of the function (as another kernel op, so the
-backward runs in every mode too); a callable `backward(primals, cotangents, **static)` returning
-one gradient per tensor input (or None) supplies a custom VJP instead.
-
-On a platform without Mosaic (the CPU stand-in), `pallas_call`s inside the function run in
-Pallas's TPU interpret mode automatically; on a TPU they compile to Mosaic as written.
+`JaxKernel` defines the op from the function's signature (`torchtpu.kernels.schema`), its fake
+implementation from `jax.eval_shape` of the function, its `tpu` implementation as a lowering in
+the one registry (so every executor -- strict, defer, compiled graphs -- traces the function into
+its program, the tensors arriving as the program's `jax.Array`s), a CPU implementation through
+JAX on the host, and optionally autograd through a second kernel op computing the VJP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
 
 from torchtpu import dtypes
+from torchtpu.kernels import helion_kernels
+from torchtpu.kernels.schema import kernel_signature
 from torchtpu.ops import registry
 
 _DEFAULT_NAMESPACE = "tpu_kernels"
 _libraries: dict[str, torch.library.Library] = {}
 
-_STATIC_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
-
 
 class KernelError(RuntimeError):
-    """A kernel's function misbehaved (wrong output count, shape or dtype)."""
+    """A kernel's outputs break its declaration (wrong count, shape or dtype)."""
 
 
 def _library(namespace: str) -> torch.library.Library:
@@ -52,66 +36,15 @@ def _library(namespace: str) -> torch.library.Library:
     return lib
 
 
-def _static_type(param: inspect.Parameter, kernel: str) -> str:
-    annotation = param.annotation
-    if isinstance(annotation, str):
-        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation, annotation)
-    if annotation is inspect.Parameter.empty and param.default is not inspect.Parameter.empty:
-        annotation = type(param.default)
-    if annotation in _STATIC_TYPES:
-        return _STATIC_TYPES[annotation]
-    if annotation in (tuple, list) or str(annotation).startswith(("tuple[int", "list[int")):
-        return "int[]"
-    raise TypeError(
-        f"kernel {kernel}: static parameter {param.name!r} needs an int, float, bool, str or "
-        f"int-tuple annotation or default"
-    )
-
-
-def _schema_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    if isinstance(value, str):
-        return repr(value).replace("'", '"')
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return repr(value)
-
-
-@dataclass(frozen=True)
-class _Signature:
-    tensors: tuple[str, ...]
-    statics: tuple[inspect.Parameter, ...]
-
-
-def _signature(fn: Callable, kernel: str) -> tuple[_Signature, str]:
-    params = list(inspect.signature(fn).parameters.values())
-    tensors = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    statics = [p for p in params if p.kind is p.KEYWORD_ONLY]
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        raise TypeError(f"kernel {kernel}: *args/**kwargs are not supported; name every parameter")
-    parts = [f"Tensor {name}" for name in tensors]
-    if statics:
-        parts.append("*")
-        for p in statics:
-            entry = f"{_static_type(p, kernel)} {p.name}"
-            if p.default is not inspect.Parameter.empty:
-                entry += f"={_schema_literal(p.default)}"
-            parts.append(entry)
-    return _Signature(tuple(tensors), tuple(statics)), ", ".join(parts)
-
-
 @contextlib.contextmanager
-def _pallas_interpret(platform: str):
-    """Pallas kernels on a platform without Mosaic run in TPU interpret mode."""
+def pallas_interpret(platform: str):
+    """THE PLATFORM SWITCH for Pallas kernels in plain JAX functions: on a platform without Mosaic
+    every `pallas_call` runs in Pallas's TPU interpret mode; on "tpu" it compiles to Mosaic."""
     if platform == "tpu":
         yield
         return
-    try:
-        from jax.experimental.pallas import tpu as pltpu
-    except ImportError:  # Pallas not available: nothing to interpret
-        yield
-        return
+    from jax.experimental.pallas import tpu as pltpu
+
     with pltpu.force_tpu_interpret_mode():
         yield
 
@@ -122,8 +55,27 @@ def _struct(t: torch.Tensor):
     return jax.ShapeDtypeStruct(tuple(t.shape), dtypes.to_jax(t.dtype))
 
 
+def _describe(value: Any) -> str:
+    return f"{value.dtype}{list(value.shape)}"
+
+
+@contextlib.contextmanager
+def _helion_interpret(kernel: Any, platform: str):
+    """The platform switch for a Helion kernel: its own interpret setting, and `pallas_interpret`
+    for whatever else the function calls (its backward, say)."""
+    helion_kernels.set_interpret(kernel, platform != "tpu")
+    with pallas_interpret(platform):
+        yield
+
+
 class JaxKernel:
-    """A JAX function registered as a torch op. Call it like the function, with torch tensors."""
+    """A JAX function registered as the torch op `name`. Call it like the function, with torch
+    tensors (positional) and static values (keyword-only).
+
+    `fn` may also be a Helion kernel with the Pallas backend (`torchtpu.kernels.helion_kernels`).
+    `out_spec(*arrays, **static)`, if given, returns the `jax.ShapeDtypeStruct`(s) the outputs
+    must match: a kernel that disagrees raises a `KernelError` naming it.
+    """
 
     def __init__(
         self,
@@ -132,17 +84,24 @@ class JaxKernel:
         num_outputs: int,
         backward: str | Callable[..., Any] | None,
         out_spec: Callable[..., Any] | None,
+        interpret: Callable[[str], ContextManager[None]] = pallas_interpret,
     ) -> None:
         namespace, _, op_name = name.rpartition("::")
         self.namespace = namespace or _DEFAULT_NAMESPACE
         self.name = f"{self.namespace}::{op_name}"
+        self._interpret = interpret
+        """The platform switch the function is traced under (`pallas_interpret` by default)."""
+        if helion_kernels.is_helion_kernel(fn):
+            helion_kernel = fn
+            fn = helion_kernels.helion_function(helion_kernel, self.name)
+            self._interpret = lambda platform: _helion_interpret(helion_kernel, platform)
         self.fn = fn
         self.num_outputs = num_outputs
         self.out_spec = out_spec
-        self.signature, args = _signature(fn, self.name)
+        self.signature = kernel_signature(fn, self.name)
         returns = "Tensor" if num_outputs == 1 else "(" + ", ".join(["Tensor"] * num_outputs) + ")"
         lib = _library(self.namespace)
-        lib.define(f"{op_name}({args}) -> {returns}")
+        lib.define(f"{op_name}({self.signature.schema_args}) -> {returns}")
         self.op = getattr(getattr(torch.ops, self.namespace), op_name).default
         torch.library.register_fake(self.name, self._fake, lib=lib)
         lib.impl(op_name, self._cpu, "CPU")
@@ -153,14 +112,25 @@ class JaxKernel:
         if backward is not None:
             self._register_backward(backward)
 
+    # Dynamo skips torchtpu's frames (`torchtpu.exec.compile`); this one only calls the op, which
+    # must land in the traced graph instead of breaking it.
+    @torch._dynamo.dont_skip_tracing
     def __call__(self, *tensors: torch.Tensor, **static: Any) -> Any:
         return self.op(*tensors, **static)
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def _evaluate(self, arrays: Sequence[Any], static: dict[str, Any], platform: str):
-        with _pallas_interpret(platform):
-            out = self.fn(*arrays, **static)
+    def _evaluate(self, arrays: Sequence[Any], static: dict[str, Any], platform: str) -> tuple[Any, ...]:
+        """Trace the function on `arrays` and check its outputs. A function that raises keeps its
+        exception (a kernel's own input errors stay what they are), noted with the kernel's name;
+        outputs that break the declaration raise `KernelError`."""
+        try:
+            with self._interpret(platform):
+                out = self.fn(*arrays, **static)
+        except Exception as error:
+            inputs = ", ".join(_describe(a) for a in arrays)
+            error.add_note(f"in kernel {self.name}, traced on inputs ({inputs})")
+            raise
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if len(outs) != self.num_outputs:
             raise KernelError(
@@ -182,8 +152,8 @@ class JaxKernel:
             for i, (value, spec) in enumerate(zip(outs, expected)):
                 if tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype:
                     raise KernelError(
-                        f"kernel {self.name}: output {i} is {value.dtype}{list(value.shape)} but its "
-                        f"out_spec says {spec.dtype}{list(spec.shape)}"
+                        f"kernel {self.name}: output {i} is {_describe(value)} but its out_spec "
+                        f"says {_describe(spec)}"
                     )
         return outs
 
@@ -201,6 +171,12 @@ class JaxKernel:
 
     def _lowering(self, ctx: registry.LoweringContext, *arrays: Any, **static: Any):
         outs = self._evaluate(arrays, static, ctx.platform)
+        for i, value in enumerate(outs):
+            if tuple(value.shape) != ctx.out_shape(i) or value.dtype != ctx.out_dtype(i):
+                raise KernelError(
+                    f"kernel {self.name}: output {i} is {_describe(value)} when traced on "
+                    f"{ctx.platform}, but its shape inference gave {ctx.out_dtype(i)}{list(ctx.out_shape(i))}"
+                )
         return outs[0] if self.num_outputs == 1 else outs
 
     def _cpu(self, *tensors: torch.Tensor, **static: Any):
@@ -249,7 +225,9 @@ class JaxKernel:
             + list(self.signature.statics)
         )
         op_name = self.name.rpartition("::")[2]
-        self.backward_kernel = JaxKernel(vjp, f"{self.namespace}::{op_name}_backward", n_in, None, None)
+        self.backward_kernel = JaxKernel(
+            vjp, f"{self.namespace}::{op_name}_backward", n_in, None, None, interpret=self._interpret
+        )
 
         def setup_context(ctx, inputs, output, keyword_only_inputs=None):
             ctx.save_for_backward(*inputs)

@@ -1,0 +1,1 @@
+"""Custom kernels as torch ops on `tpu`: JAX/Pallas examples for `torchtpu.kernels.jax_kernel`."""

@@ -19,10 +19,12 @@ __all__ = [
     "BenchConfig",
     "BenchOptionError",
     "IdDistribution",
+    "Invocation",
     "OPTIMIZERS",
     "PLUGIN_SHARDING_TYPES",
     "Sweep",
     "parse",
+    "parser",
 ]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -237,7 +239,7 @@ def _sweep(text: str | None, p: argparse.ArgumentParser) -> Sweep | None:
     if text is None:
         return None
     key, _, values = text.partition("=")
-    options = {a.dest.replace("_", "-") for a in p._actions if a.option_strings and a.dest != "help"}
+    options = {dest.replace("_", "-") for dest in vars(p.parse_args([]))}
     sweepable = sorted(options - set(_NOT_SWEEPABLE))
     if key not in options:
         raise BenchOptionError(f"--sweep {text!r}: unknown option {key!r}; sweepable: {', '.join(sweepable)}")

@@ -123,10 +123,10 @@ def plot(path: str, points: Sequence[PointResult], sweep: Sweep) -> None:
     for name in [result.system for result in points[0].systems]:
         rates = [next(r.lookups_per_s for r in point.systems if r.system == name) for point in points]
         axes.plot(xs, rates, marker="o", label=name)
-    if not numeric:
-        axes.set_xticks(xs, sweep.values)
-    elif min(xs) > 0 and max(xs) / min(xs) >= 8:
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 8:
         axes.set_xscale("log")
+    axes.set_xticks(xs, sweep.values)
+    axes.minorticks_off()
     axes.set_yscale("log")
     axes.set_xlabel(sweep.key)
     axes.set_ylabel("lookups / s (p50 step)")

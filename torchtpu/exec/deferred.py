@@ -82,6 +82,8 @@ class _State:
         self.graph = _Graph()
         self.flushing = False
         self.lock = threading.RLock()
+        self.last_key: tuple | None = None  # compile key of the op recorded last
+        self.boundary: tuple | None = None  # ... and of the op recorded before this graph began
 
 
 _state = _State()
@@ -118,11 +120,20 @@ def record(call: opcall.Call) -> Any:
 
 def _record(call: opcall.Call) -> Any:
     pending = _state.graph.nodes
-    if len(pending) >= MIN_LOOP_OPS and call.key == pending[0].program.key:
-        # The op that opened the pending graph comes again: a loop iteration (a training step)
-        # is complete. Running it now keeps each fused program one iteration long, so steady
-        # loops replay a cached executable instead of compiling ever longer graphs.
+    if (
+        len(pending) >= MIN_LOOP_OPS
+        and call.key == pending[0].program.key
+        and (_state.boundary is None or _state.last_key == _state.boundary)
+    ):
+        # The op that opened the pending graph comes again, after the op that preceded it
+        # then: a loop iteration (a training step) is complete. Running it now keeps each fused
+        # program one iteration long, so steady loops replay a cached executable instead of
+        # compiling ever longer graphs. (Comparing the preceding op too keeps a layer that
+        # repeats inside one step, such as a second LayerNorm, from cutting the step in two.)
         flush("loop")
+    if not _state.graph.nodes:
+        _state.boundary = _state.last_key
+    _state.last_key = call.key
     graph = _state.graph
     program = opcall.program_for(call)
     buffers = call.buffers

@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=["default", "high", "highest"], default="default",
                         help="tpu matmul precision (default: bf16 products, as a TPU computes them)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to spawn on this machine")
-    parser.add_argument("--devices", type=int, default=2, help="tpu devices per process (CPU stand-ins here)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="tpu devices per process (CPU stand-ins here; see launch.py before raising it)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: a fifth of the run)")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     parser.add_argument("--checkpoint-dir", type=Path)

@@ -33,8 +33,9 @@ class DLRMConfig:
 
     `num_embeddings` / `multi_hot_sizes`: rows and ids per sample of each sparse feature's table
     (one table per feature). `batch_size` is per process; `default_steps` is the length of a run.
-    Tables and dense layers both train with Adagrad at `learning_rate` (the tables' fused in the
-    backward).
+    Tables and dense layers both train with Adagrad (the tables' fused in the backward), at their
+    own learning rates: every weight's first Adagrad step has the size of the rate, which wide
+    dense layers tolerate only when it is small.
     """
 
     name: str
@@ -47,7 +48,8 @@ class DLRMConfig:
     dcn_low_rank_dim: int
     batch_size: int
     default_steps: int
-    learning_rate: float = 0.05
+    embedding_learning_rate: float = 0.05
+    dense_learning_rate: float = 0.05
     epsilon: float = 1e-8
 
     def __post_init__(self) -> None:
@@ -103,12 +105,12 @@ PRESETS: dict[str, DLRMConfig] = {
     "small": _scaled(
         "small", max_rows=20_000, hot_scale=0.25, embedding_dim=32, dense_arch_layer_sizes=(128, 32),
         over_arch_layer_sizes=(256, 128, 1), dcn_num_layers=3, dcn_low_rank_dim=32, batch_size=256,
-        default_steps=1000,
+        default_steps=1000, dense_learning_rate=0.005,
     ),
     "mlperf": _scaled(
         "mlperf", max_rows=100_000, hot_scale=1.0, embedding_dim=64, dense_arch_layer_sizes=(256, 64),
         over_arch_layer_sizes=(512, 256, 1), dcn_num_layers=3, dcn_low_rank_dim=64, batch_size=1024,
-        default_steps=200,
+        default_steps=200, dense_learning_rate=0.005,
     ),
 }
 """`tiny`: tests (seconds). `small`: the default run (minutes on two cores). `mlperf`: MLPerf

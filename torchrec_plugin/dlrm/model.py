@@ -93,7 +93,7 @@ def build(config: DLRMConfig, seed: int = 0) -> DLRMTraining:
     """The training model on `tpu`: tables initialised from `seed` on the device, dense layers
     from `torch.manual_seed(seed)`."""
     topology = runtime_topology()
-    optimizer = Adagrad(learning_rate=config.learning_rate, epsilon=config.epsilon)
+    optimizer = Adagrad(learning_rate=config.embedding_learning_rate, epsilon=config.epsilon)
     tables = SparseCoreEmbeddingBagCollection(
         sparsecore_tables(config, topology), batch_size=config.batch_size, optimizer=optimizer, topology=topology,
         seed=seed,
@@ -111,7 +111,7 @@ def reference(training: DLRMTraining) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
     model = _dlrm_dcn(config, ebc, torch.device("cpu"), seed=0)
     model.load_state_dict({key: value.detach().cpu() for key, value in training.model.state_dict().items()})
     apply_optimizer_in_backward(
-        torch.optim.Adagrad, ebc.parameters(), {"lr": config.learning_rate, "eps": config.epsilon}
+        torch.optim.Adagrad, ebc.parameters(), {"lr": config.embedding_learning_rate, "eps": config.epsilon}
     )
     return model, _dense_optimizer(config, dense_parameters(model).values())
 
@@ -135,4 +135,4 @@ def _dlrm_dcn(config: DLRMConfig, ebc: nn.Module, device: torch.device, seed: in
 
 
 def _dense_optimizer(config: DLRMConfig, parameters) -> torch.optim.Optimizer:
-    return torch.optim.Adagrad(list(parameters), lr=config.learning_rate, eps=config.epsilon)
+    return torch.optim.Adagrad(list(parameters), lr=config.dense_learning_rate, eps=config.epsilon)

@@ -8,6 +8,12 @@ backward (which applies the tables' fused Adagrad) and the dense Adagrad step. E
 checkpoint is written; `resume` continues from the last checkpoint. Modes: `strict` and `defer`
 (the eager executors) or `compiled` (`torch.compile(backend="tpu")` over the model).
 
+Launches of multi-device programs are serialised between the training thread and the loader's
+worker (`_LAUNCHES`): on XLA:CPU, two threads launching programs over the same devices at once
+can order them differently per device, and a collective then waits forever for its peers (seen
+here as a rendezvous timeout). The worker makes the batch on the host unlocked and takes the lock
+only for `prepare` (the preprocessing and the transfer to the mesh).
+
 With several processes (`torch.distributed` initialised, a group serving `tpu` tensors), each
 trains on its own samples; the loss is the mean over all processes' samples, as TorchRec's
 data-parallel dense layers and model-parallel tables see it (dense gradients summed by an
@@ -17,8 +23,9 @@ all-reduce of the scaled loss's gradients, tables updated with every process's g
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -39,6 +46,10 @@ __all__ = ["MODES", "BatchSource", "Summary", "TrainOptions", "train"]
 MODES = ("strict", "defer", "compiled")
 WARMUP_STEPS = 3
 """Steps left out of the throughput (they compile the step's programs)."""
+
+
+_LAUNCHES = threading.Lock()
+"""Held while a thread launches device programs (see the module docstring)."""
 
 
 class BatchSource(Protocol):
@@ -132,7 +143,7 @@ def train(training: DLRMTraining, source: BatchSource, options: TrainOptions) ->
     with torchtpu.matmul_precision(options.precision), torchtpu.eager_mode(_eager_mode(options.mode)):
         held_out = [training.prepare(source.held_out_batch(i)) for i in range(options.eval_batches)]
         batches = (source.train_batch(step) for step in range(start + 1, options.steps + 1))
-        with PrefetchingLoader(batches, training.prepare, options.prefetch_depth) as loader:
+        with PrefetchingLoader(batches, _locked(training.prepare), options.prefetch_depth) as loader:
             _run(training, forward, loader, held_out, options, summary)
     return summary
 
@@ -149,7 +160,8 @@ def _run(
     progress = _progress_bar(summary, options)
     timer = _Timer(loader)
     for step, batch in enumerate(loader, summary.start_step + 1):
-        pending.append(_train_step(training, forward, batch, summary.processes))
+        with _LAUNCHES:
+            pending.append(_train_step(training, forward, batch, summary.processes))
         last = step == options.steps
         if step - summary.start_step == WARMUP_STEPS:
             _flush(pending, summary)
@@ -161,7 +173,7 @@ def _run(
                 progress.set_postfix(loss=f"{summary.losses[-1]:.4f}", ex_s=f"{timer.rate(summary):,.0f}")
         if (options.eval_every and step % options.eval_every == 0) or last:
             _flush(pending, summary)
-            with timer.paused():
+            with timer.paused(), _LAUNCHES:
                 summary.evaluations.append(evaluate(forward, held_out, step))
             if progress is not None:
                 progress.write(_describe(summary.evaluations[-1]))
@@ -169,7 +181,7 @@ def _run(
             (options.checkpoint_every and step % options.checkpoint_every == 0) or last
         ):
             _flush(pending, summary)
-            with timer.paused():
+            with timer.paused(), _LAUNCHES:
                 checkpoint.save(training, step, options.checkpoint_dir)
             summary.checkpoints += 1
     _flush(pending, summary)
@@ -187,6 +199,14 @@ def _train_step(training: DLRMTraining, forward, batch: PreparedBatch, processes
         _sum_dense_gradients(training)
     training.dense_optimizer.step()
     return loss.detach()
+
+
+def _locked(prepare: Callable[[Batch], PreparedBatch]) -> Callable[[Batch], PreparedBatch]:
+    def locked(batch: Batch) -> PreparedBatch:
+        with _LAUNCHES:
+            return prepare(batch)
+
+    return locked
 
 
 def _sum_dense_gradients(training: DLRMTraining) -> None:
@@ -212,7 +232,8 @@ def _eager_mode(mode: str) -> str:
 def _flush(pending: list[torch.Tensor], summary: Summary) -> None:
     """Read the pending losses (waits for their steps)."""
     if pending:
-        summary.losses.extend(float(loss) for loss in pending)
+        with _LAUNCHES:  # in defer mode, reading runs the pending program
+            summary.losses.extend(float(loss) for loss in pending)
         pending.clear()
 
 

@@ -1,0 +1,94 @@
+"""What the DLRM job tests run in a fresh process with ONE stand-in device (see
+`test_train._run_job`): several processes' worth of training without in-process collectives.
+
+Each function writes what the test checks as JSON to `out`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrec_plugin.dlrm import checkpoint
+from torchrec_plugin.dlrm.config import preset
+from torchrec_plugin.dlrm.model import build, dense_parameters, reference
+from torchrec_plugin.dlrm.synthetic import SyntheticCriteo
+from torchrec_plugin.dlrm.train import TrainOptions, train
+
+TINY = preset("tiny")
+
+
+def _options(steps: int, mode: str, **kwargs) -> TrainOptions:
+    return TrainOptions(steps=steps, mode=mode, eval_batches=4, progress=False, **kwargs)
+
+
+def learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
+    """An uninterrupted run; the same run as a first half that checkpoints and a second half
+    resumed from it by a model built from other weights; then a save that dies midway."""
+    source = SyntheticCriteo(TINY, seed=0)
+    uninterrupted = train(build(TINY), source, _options(steps, mode))
+    half = steps // 2
+    first = train(build(TINY), source, _options(half, mode, checkpoint_dir=directory))
+    resumed = build(TINY, seed=1)
+    second = train(resumed, source, _options(steps, mode, checkpoint_dir=directory, resume=True))
+    result = {
+        "uninterrupted": uninterrupted.losses,
+        "auc": [e.auc for e in uninterrupted.evaluations],
+        "first": first.losses,
+        "second": second.losses,
+        "second_start": second.start_step,
+        "second_auc": [e.auc for e in second.evaluations],
+        "failed_save": _failed_save_keeps_previous(resumed, directory, steps),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def _failed_save_keeps_previous(trained, directory: str, step: int) -> dict:
+    """Save again, dying after the data is written (before the metadata): what the checkpoint
+    then restores into a model built from other weights."""
+    write_data = dcp.FileSystemWriter.write_data
+
+    def write_then_fail(self, plan, planner):
+        write_data(self, plan, planner).wait()
+        raise OSError("disk gone during the save")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dcp.FileSystemWriter, "write_data", write_then_fail)
+        try:
+            checkpoint.save(trained, step + 1, directory)
+            raised = False
+        except CheckpointException as error:  # DCP reports each rank's exception
+            raised = "disk gone" in str(error)
+    restored = build(TINY, seed=2)
+    restored_step = checkpoint.restore(restored, directory)
+    restored_tables = restored.tables.state_dict()
+    tables_equal = all(torch.equal(restored_tables[key], value) for key, value in trained.tables.state_dict().items())
+    dense_equal = all(
+        torch.equal(a.cpu(), b.cpu())
+        for a, b in zip(dense_parameters(restored.model).values(), dense_parameters(trained.model).values())
+    )
+    return {"raised": raised, "step": restored_step, "tables_equal": tables_equal, "dense_equal": dense_equal}
+
+
+def cpu_parity(out: str, steps: int, mode: str) -> None:
+    """Losses of the job on tpu at the `highest` precision and of plain TorchRec on CPU, from the
+    same initial weights on the same batches."""
+    source = SyntheticCriteo(TINY, seed=3)
+    training = build(TINY, seed=3)
+    cpu_model, cpu_optimizer = reference(training)
+    summary = train(training, source, _options(steps, mode, precision="highest"))
+    expected = []
+    for step in range(1, steps + 1):
+        batch = source.train_batch(step)
+        logits = cpu_model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        cpu_optimizer.zero_grad()
+        loss.backward()
+        cpu_optimizer.step()
+        expected.append(float(loss))
+    with open(out, "w") as f:
+        json.dump({"tpu": summary.losses, "cpu": expected}, f)

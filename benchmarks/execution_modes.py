@@ -23,6 +23,7 @@ import copy
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -35,6 +36,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torchtpu  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "torchtpu"))
+from test_training import PreLNBlock  # noqa: E402  (the block the training tests train)
 
 LR = 1e-2
 CLASSES = 10
@@ -50,31 +54,10 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block with a classification head over the mean token."""
-
-    def __init__(self, dim: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.head = nn.Linear(dim, CLASSES)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
-        x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
-        x = x + self.mlp(self.ln2(x))
-        return self.head(x.mean(dim=1))
-
-
 CASES = {
     "small MLP (8 x 64)": (lambda: MLP(64), (8, 64)),
     "large MLP (256 x 512)": (lambda: MLP(512), (256, 512)),
-    "transformer block": (lambda: Block(), (8, 32, 64)),
+    "transformer block": (lambda: PreLNBlock(dim=64, heads=4), (8, 32, 64)),
 }
 
 
@@ -127,9 +110,9 @@ def _jax_step(model: nn.Module, shape) -> Callable[[], float]:
         v = v + linear(p, "proj", (attn @ w).transpose(0, 2, 1, 3).reshape(b, t, d))
         hidden = jax.nn.gelu(linear(p, "mlp.0", layer_norm(p, "ln2", v)), approximate=False)
         v = v + linear(p, "mlp.2", hidden)
-        return linear(p, "head", v.mean(1))
+        return linear(p, "out", v.mean(1))
 
-    forward = block if isinstance(model, Block) else mlp
+    forward = block if isinstance(model, PreLNBlock) else mlp
 
     def loss_fn(p):
         logits = forward(p, x)

@@ -4,7 +4,6 @@ program per bucket, and every result equals PyTorch CPU's unpadded computation."
 from __future__ import annotations
 
 import copy
-import math
 import random
 
 import pytest
@@ -14,6 +13,7 @@ from torch import nn
 
 import torchtpu
 from torchtpu.exec.bucketing import BucketingError
+from test_training import PreLNBlock
 
 
 def test_buckets_are_powers_of_two_or_the_given_sizes():
@@ -89,36 +89,17 @@ def test_random_batch_sizes_compile_one_program_per_bucket_and_match_cpu(mode):
         assert _graph_programs("forward_graph") <= 9 and _graph_programs("backward_graph") <= 9
 
 
-class Attention(nn.Module):
-    """Self-attention over a bounded sequence: softmax, contractions and a mean over it."""
-
-    def __init__(self, dim: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, 4)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
-        mixed = (attn @ v).transpose(1, 2).reshape(b, t, d)
-        return self.out((x + mixed).mean(dim=1))
-
-
 def test_bounded_sequence_length_masks_attention_and_means():
-    """One sequence of bounded length: softmax over padded keys, contractions and a mean over
-    the sequence, forward and backward."""
+    """One sequence of bounded length through a pre-LN transformer block: softmax over padded
+    keys, contractions and a mean over the sequence, forward and backward."""
     torch.manual_seed(0)
-    reference = Attention()
+    reference = PreLNBlock()
     model = copy.deepcopy(reference).to("tpu")
     forward = torch.compile(lambda m, x: m(x).square().sum(), backend="tpu")
     torch._dynamo.reset()
     with torch.tpu.precision("highest"):
         for length in (3, 7, 13):
-            x = torch.randn(1, length, 16)
+            x = torch.randn(1, length, 32)
             reference.zero_grad()
             model.zero_grad()
             expected = reference(x).square().sum()
@@ -134,10 +115,10 @@ def test_bounded_sequence_length_masks_attention_and_means():
 def test_a_bounded_axis_merged_under_another_is_refused():
     """nn.Linear flattens (batch, sequence) into rows: with a bounded sequence inside a batch of
     two, pad rows would sit between real ones, which the masks do not model."""
-    model = Attention().to("tpu")
+    model = PreLNBlock().to("tpu")
     forward = torch.compile(model, backend="tpu")
     with pytest.raises(BucketingError, match="puts bounded axis 1 inside another axis"):
-        forward(torchtpu.bounded(torch.randn(2, 5, 16), dim=1))
+        forward(torchtpu.bounded(torch.randn(2, 5, 32), dim=1))
 
 
 def test_an_op_that_would_mix_pad_rows_is_refused():

@@ -38,8 +38,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import storage
-from torchtpu.bounds import Buckets, bounds_of, mark
-from torchtpu.ops import registry
+from torchtpu.bounds import bounds_of, mark
 from torchtpu.ops.schema import ArgKind, Signature
 
 aten = torch.ops.aten
@@ -78,12 +77,20 @@ def _evaluate(expr, values: dict) -> Any:
     raise BucketingError(f"size expression {expr} is neither a sum nor a product of sizes")
 
 
+def _static(expr, values: dict) -> int:
+    """A size expression at integer symbol values."""
+    import sympy
+
+    return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+
+
 # --- one call: true sizes, buckets, padded arguments ------------------------------------------
 
 
 @dataclasses.dataclass
 class CallPlan:
-    """One call of a bounded graph: its arguments at bucket size and each symbol's true size."""
+    """One call of a graph with symbolic sizes: each symbol's value, the bounded symbols' buckets
+    and true sizes, and the arguments at bucket size."""
 
     args: list  # tensors viewing their padded storage, SymInts at their bucket
     buckets: dict  # bounded symbol -> bucket
@@ -109,14 +116,14 @@ class CallPlan:
 
     def bucket_sizes(self, meta: torch.Tensor) -> tuple[int, ...]:
         values = {**self.fixed, **self.buckets}
-        return tuple(int(_evaluate(e, values)) if (e := _expr(s)) is not None else int(s) for s in meta.shape)
+        return tuple(_static(e, values) if (e := _expr(s)) is not None else int(s) for s in meta.shape)
 
     def unpad(self, out: Any, meta: Any) -> Any:
         """A graph output as the caller sees it: a bounded output becomes a view of its true
         size over the padded storage, marked so that the next bounded graph reads it whole."""
         true_values = {**self.fixed, **self.sizes}
         if isinstance(meta, torch.SymInt) and _expr(meta).free_symbols & self.buckets.keys():
-            return int(_evaluate(_expr(meta), true_values))
+            return _static(_expr(meta), true_values)
         if not isinstance(out, torch.Tensor) or not isinstance(meta, torch.Tensor):
             return out
         axes = {}
@@ -126,7 +133,7 @@ class CallPlan:
             if expr is not None and expr.free_symbols & self.buckets.keys():
                 symbol = next(iter(expr.free_symbols & self.buckets.keys()))
                 axes[axis] = self.policies[symbol]
-                sizes.append(int(_evaluate(expr, true_values)))
+                sizes.append(_static(expr, true_values))
             else:
                 sizes.append(out.shape[axis])
         if not axes:
@@ -179,7 +186,7 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan:
 
 def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any) -> Any:
     if position in plan.symints:
-        return int(_evaluate(plan.symints[position], {**plan.fixed, **plan.buckets}))
+        return _static(plan.symints[position], {**plan.fixed, **plan.buckets})
     if not isinstance(arg, torch.Tensor) or not isinstance(meta, torch.Tensor):
         return arg
     padded = plan.bucket_sizes(meta)
@@ -201,10 +208,13 @@ def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class TraceSizes:
+    """The static part of a `CallPlan`, which a compiled program may keep."""
+
     order: list  # bounded symbols, in the order of their true sizes among the runtime inputs
     buckets: dict
     fixed: dict
     symints: dict
+
 
 Invoke = Callable[[OpOverload, list], Any]  # runs an overload's registry lowering on values
 

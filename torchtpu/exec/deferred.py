@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from torchtpu import counters, dtypes, runtime
 from torchtpu.exec import checks, eager, opcall

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-import torch
 from torch._ops import OpOverload
 
 from torchtpu import counters, runtime

@@ -223,7 +223,8 @@ _MEMORY_KERNELS = {
 def _variants(op: OpOverload):
     """The in-place and out= overloads whose functional variant is `op`."""
     name = op._schema.name.split("::")[1]
-    for packet_name in (name, name + "_"):
+    # `normal_functional` is the functional form of `normal_`.
+    for packet_name in (name, name + "_", name.removesuffix("_functional") + "_"):
         packet = getattr(aten, packet_name, None)
         if packet is None:
             continue

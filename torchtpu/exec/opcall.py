@@ -14,7 +14,10 @@ one Program per key; the deferred executor traces many Programs into one computa
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -24,7 +27,8 @@ from torch._ops import OpOverload
 
 from torchtpu import dtypes, precision, random as tpu_random, runtime, strided
 from torchtpu.ops import registry
-from torchtpu.ops.schema import ArgKind, Signature, functional_variant, signature
+from torchtpu.ops.decomps import resize_out
+from torchtpu.ops.schema import ArgKind, Signature, functional_arguments, functional_variant, signature
 from torchtpu.storage import BUFFER_ATTR, DeviceBuffer, buffer_of, contiguous_strides
 
 
@@ -60,6 +64,14 @@ class ScalarRef(NamedTuple):
 
     slot: int
     type: type
+
+
+class HostScalarsRef(NamedTuple):
+    """A 1-D CPU tensor of per-position Scalars (the `scalars` of `_foreach_addcdiv.Tensor`):
+    CPU reads it to the host, so its values are Scalars of the call, one per list position."""
+
+    scalars: tuple  # ScalarRef (dynamic) or number (static), one per element
+    dtype: torch.dtype
 
 
 class NoLowering(Exception):
@@ -161,6 +173,19 @@ def _device_arg(values: list) -> int | None:
 
 
 def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowering) -> Call:
+    """The call's compile key and runtime inputs. `out=` tensors of another shape than the result
+    are resized first, and Scalar values are checked as PyTorch checks them (`_validate_values`)."""
+    call = _encode(op, args, kwargs, lowering)
+    if call.sig.is_out and _resize_outs(call):
+        call = _encode(op, args, kwargs, lowering)
+    if call.dynamic:
+        _validate_values(call)
+    if lowering.random:
+        call.dynamic.append(tpu_random.next_key_words(call.device))
+    return call
+
+
+def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowering) -> Call:
     sig = signature(op)
     values = sig.normalize(args, kwargs)
     call = Call(op, sig, values, lowering)
@@ -176,7 +201,10 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
     for arg, v in zip(sig.args, values):
         kind = arg.kind
         if kind is ArgKind.TENSOR:
-            encoded.append(tensor(v))
+            if arg.name == "scalars" and _is_host_vector(v):
+                encoded.append(HostScalarsRef(tuple(scalar(x) for x in v.tolist()), v.dtype))
+            else:
+                encoded.append(tensor(v))
         elif kind is ArgKind.TENSOR_LIST:
             if v is not None and arg.name == "indices":
                 v = values[len(encoded)] = _indices_on_device(v, call.device)
@@ -192,10 +220,111 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
         call.device = _device_arg(values)
         if call.device is None:
             call.device = current_device()
-    if lowering.random:
-        call.dynamic.append(tpu_random.next_key_words(call.device))
     call.key = (op, precision.get_mode(), call.device, tuple(call.storages), tuple(encoded))
     return call
+
+
+def _is_host_vector(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 1
+
+
+def _run_meta(call: Call) -> tuple[list, Any]:
+    """PyTorch's checks of the call: its meta kernel, then the lowering's checks of values that
+    PyTorch makes in its CPU kernel only (`Lowering.validate`). Returns the meta arguments as
+    the meta kernel left them (an `out=` tensor resized to the result's shape) and its output."""
+    meta_args = meta_values(call.key, call.values)
+    pos, kw = call.sig.split(meta_args)
+    lowering = call.lowering
+    meta_out = (lowering.meta if lowering.meta is not None and lowering.op is call.op else call.op)(*pos, **kw)
+    validate = lowering.validate
+    if validate is not None:
+        fpos, fkw = signature(call.lowering.op).split(functional_arguments(call.op, meta_args))
+        validate(*fpos, **fkw)
+    return meta_args, meta_out
+
+
+# --- out= resizing -----------------------------------------------------------------------------
+
+_out_layouts: dict[tuple, tuple | None] = {}
+
+
+def _written_tensors(sig: Signature, values: list) -> list:
+    out = []
+    for i in sig.written:
+        out.extend(values[i] if isinstance(values[i], (list, tuple)) else (values[i],))
+    return out
+
+
+def _resize_outs(call: Call) -> bool:
+    """Resize the call's `out=` tensors to the shape (and layout) PyTorch's meta kernel gives
+    them, with PyTorch's warning for a non-empty one. True if any was resized."""
+    if call.key in _out_layouts:
+        layouts = _out_layouts[call.key]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # resize_out below warns as PyTorch does
+            resized = _written_tensors(call.sig, _run_meta(call)[0])
+        outs = _written_tensors(call.sig, call.values)
+        fits = all(tuple(m.shape) == tuple(o.shape) for m, o in zip(resized, outs))
+        layouts = None if fits else tuple((tuple(m.shape), tuple(m.stride())) for m in resized)
+        _out_layouts[call.key] = layouts
+    if layouts is None:
+        return False
+    for out, (sizes, strides) in zip(_written_tensors(call.sig, call.values), layouts):
+        resize_out(out, sizes, strides)
+    return True
+
+
+# --- Scalars whose values decide whether a call is valid --------------------------------------
+
+# Edges between value classes: each integer dtype's range, the largest finite float16, bfloat16
+# and float32, and 0, 1 and 2 (signs, probabilities, exponents).
+_EDGES = sorted({
+    edge
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+    for edge in (torch.iinfo(dtype).min, torch.iinfo(dtype).max + 1)
+} | {
+    edge
+    for dtype in (torch.float16, torch.bfloat16, torch.float32)
+    for edge in (-torch.finfo(dtype).max, torch.finfo(dtype).max)
+} | {0, 1, 2})
+_MAX_ORDERED = 6
+
+
+def _value_class(v) -> tuple:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return (type(v), v)
+    if v != v:
+        return (type(v), "nan")
+    integral = isinstance(v, int) or v.is_integer()
+    return (type(v), bisect.bisect_right(_EDGES, v), v in (0, 1), integral)
+
+
+def _values_class(values: list) -> tuple:
+    """What PyTorch's checks of Scalar values can tell apart: each value's type, sign, range
+    (the integer and float dtypes' limits, 0, 1, 2), integrality, and the order between the
+    values of a call with few of them (`uniform_(from, to)`, `hardtanh(min_val, max_val)`)."""
+    classes = tuple(_value_class(v) for v in values)
+    if 1 < len(values) <= _MAX_ORDERED and all(isinstance(v, (int, float)) for v in values):
+        classes += tuple((a > b) - (a < b) for a, b in itertools.combinations(values, 2))
+    return classes
+
+
+_validated: dict[tuple, set] = {}
+
+
+def _validate_values(call: Call) -> None:
+    """Run PyTorch's checks again for Scalar values unlike any this call key has seen.
+
+    A compiled program takes Scalars as runtime values, and its meta kernel ran once, with the
+    first values: `pow(int_tensor, 2)` is valid, `pow(int_tensor, -1)` raises. Every call's
+    values are classed (`_values_class`, cheap), and each new class of a key runs the meta
+    kernel once with the call's own values."""
+    seen = _validated.setdefault(call.key, set())
+    kind = _values_class(call.dynamic)
+    if kind not in seen:
+        _run_meta(call)
+        seen.add(kind)
 
 
 def _indices_on_device(indices, device: int | None) -> list:
@@ -263,6 +392,8 @@ def meta_values(call_key: tuple, values: list) -> list:
             if enc.wrapped:
                 return v.item() if isinstance(v, torch.Tensor) else v
             return torch.empty((), dtype=enc.dtype, device="meta")
+        if isinstance(enc, HostScalarsRef):
+            return v  # PyTorch's kernels, the meta one too, read it on the CPU
         if isinstance(enc, tuple) and isinstance(v, (list, tuple)):
             return type(v)(conv(e, x) for e, x in zip(enc, v))
         if isinstance(v, torch.device) and v.type == "tpu":
@@ -351,9 +482,7 @@ def build(call: Call) -> Program:
     mode, device = key[1], key[2]
     storages: tuple[StorageSpec, ...] = key[3]
     encoded: tuple = key[4]
-    meta_args = meta_values(key, call.values)
-    pos, kw = sig.split(meta_args)
-    meta_out = op(*pos, **kw)  # raises PyTorch's own errors for bad shapes and dtypes
+    meta_args, meta_out = _run_meta(call)  # raises PyTorch's own errors for bad shapes and dtypes
 
     functional = functional_variant(op)
     lowering = registry.get(functional) if functional is not None else None
@@ -364,7 +493,7 @@ def build(call: Call) -> Program:
         fsig = sig
     else:
         fsig = signature(functional)
-        fn_meta_args = [a for a, arg in zip(meta_args, sig.args) if not (sig.is_out and arg.writes)]
+        fn_meta_args = functional_arguments(op, meta_args)
         fpos, fkw = fsig.split(fn_meta_args)
         fn_meta_out = functional(*fpos, **fkw)
 
@@ -383,7 +512,7 @@ def build(call: Call) -> Program:
         result = _result_template(meta_out, new, host)
     inputs = tuple(i for i, s in enumerate(storages) if s.initialized)
     n_dynamic = len(call.dynamic)
-    encoded_f = [e for e, arg in zip(encoded, sig.args) if not (sig.is_out and arg.writes)]
+    encoded_f = functional_arguments(op, list(encoded))
     platform = runtime.runtime().platform
     random_op = lowering.random
 
@@ -405,6 +534,8 @@ def build(call: Call) -> Program:
                 return jnp.asarray(dyn[enc.slot], dtypes.to_jax(enc.dtype))
             if isinstance(enc, ScalarRef):
                 return dyn[enc.slot]
+            if isinstance(enc, HostScalarsRef):
+                return tuple(value(e) for e in enc.scalars)
             if isinstance(enc, tuple):
                 return tuple(value(e) for e in enc)
             return enc

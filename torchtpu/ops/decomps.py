@@ -9,44 +9,80 @@ modes. In-place and `out=` overloads decompose through their functional overload
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._decomp import decomposition_table
 from torch._ops import OpOverload
 
 from torchtpu.ops import registry
-from torchtpu.ops.schema import functional_variant, signature
+from torchtpu.ops.schema import functional_arguments, functional_variant, signature
 
 
-def _inplace(functional: Callable, op: OpOverload) -> Callable:
+def resize_out(out: torch.Tensor, sizes: Sequence[int], strides: Sequence[int] | None = None) -> bool:
+    """PyTorch's rule for an `out=` tensor of another shape than the result: resize it (warning
+    if it held elements), laid out with `strides` if given. True if it was resized."""
+    sizes = tuple(sizes)
+    if tuple(out.shape) == sizes:
+        return False
+    if out.numel() != 0:
+        warnings.warn(
+            f"An output with one or more elements was resized since it had shape {list(out.shape)}, "
+            f"which does not match the required output shape {list(sizes)}. This behavior is "
+            "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+            "have zero elements. You can explicitly reuse an out tensor t by resizing it, inplace, "
+            "to zero elements with t.resize_(0).",
+            stacklevel=3,
+        )
+    out.resize_(sizes)
+    if strides is not None and tuple(out.stride()) != tuple(strides):
+        out.as_strided_(sizes, tuple(strides))
+    return True
+
+
+def _through_functional(compute: Callable, op: OpOverload) -> Callable:
+    """`op` (in-place or `out=`) as its functional variant `compute` plus a write-back."""
+    sig, fsig = signature(op), signature(functional_variant(op))
+
     def run(*args, **kwargs):
-        result = functional(*args, **kwargs)
-        self = args[0] if args else kwargs["self"]
-        if isinstance(self, (list, tuple)):
-            for dst, src in zip(self, result):
+        values = sig.normalize(args, kwargs)
+        fpos, fkw = fsig.split(functional_arguments(op, values))
+        result = compute(*fpos, **fkw)
+        written = [values[i] for i in sig.written]
+        if sig.is_inplace and isinstance(written[0], (list, tuple)):  # _foreach_*_
+            for dst, src in zip(written[0], result):
                 dst.copy_(src)
             return None
-        return self.copy_(result)
-
-    return run
-
-
-def _out(functional: Callable, op: OpOverload) -> Callable:
-    sig = signature(op)
-    out_names = [a.name for a in sig.args if a.writes]
-
-    def run(*args, **kwargs):
-        outs = [kwargs.pop(name) for name in out_names]
-        result = functional(*args, **kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
-        for dst, src in zip(outs, results):
-            if dst.shape != src.shape:
-                dst.resize_(src.shape)
+        for dst, src in zip(written, results):
+            if sig.is_out:
+                resize_out(dst, src.shape)
             dst.copy_(src)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return written[0] if len(written) == 1 else tuple(written)
 
     return run
+
+
+def _eval_saves_nothing(decomposition: Callable) -> Callable:
+    """Batch norm as PyTorch's decomposition, except that in eval mode the saved mean and
+    inverse standard deviation are empty, as ATen's CPU and CUDA kernels return them (the
+    decomposition and the meta kernel give per-channel tensors)."""
+
+    def run(input, weight, bias, running_mean, running_var, training, momentum, eps):
+        out, save_mean, save_invstd = decomposition(input, weight, bias, running_mean, running_var, training,
+                                                    momentum, eps)
+        if not training:
+            save_mean, save_invstd = save_mean.new_empty(0), save_invstd.new_empty(0)
+        return out, save_mean, save_invstd
+
+    return run
+
+
+_LOCAL = {
+    op: _eval_saves_nothing(decomposition_table[op])
+    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +95,8 @@ def get(op: OpOverload) -> Callable[..., Any] | None:
     """
     if registry.get(op) is not None:
         return None
+    if op in _LOCAL:
+        return _LOCAL[op]
     sig = signature(op)
     if sig.written:
         functional = functional_variant(op)
@@ -67,7 +105,7 @@ def get(op: OpOverload) -> Callable[..., Any] | None:
             # directly: PyTorch's C++ functional kernel may itself call this out= overload.
             compute = functional if registry.get(functional) is not None else decomposition_table.get(functional)
             if compute is not None:
-                return _out(compute, op) if sig.is_out else _inplace(compute, op)
+                return _through_functional(compute, op)
     return decomposition_table.get(op)
 
 

@@ -142,12 +142,21 @@ def fmod(ctx, x, y):
     return lax.rem(*jnp.broadcast_arrays(x, y))
 
 
+def _check_integer_power(base, exponent) -> None:
+    """PyTorch's CPU kernel (not its meta kernel) rejects an integer base to a negative integer
+    Scalar power, as NumPy does."""
+    if (isinstance(base, torch.Tensor) and not (base.is_floating_point() or base.is_complex())
+            and isinstance(exponent, int) and exponent < 0):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
 @pointwise(
     aten.pow.Tensor_Tensor,
     aten.pow.Tensor_Scalar,
     aten.pow.Scalar,
     promotion=BOOL_TO_LONG,
     operands=("self", "exponent"),
+    validate=_check_integer_power,
 )
 def power(ctx, base, exponent):
     if _is_integer(base):

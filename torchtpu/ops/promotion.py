@@ -33,6 +33,7 @@ def pointwise(
     operands: Sequence[str] = ("self", "other"),
     dynamic_scalars: bool = True,
     keep_result_dtype: bool = False,
+    validate: Callable[..., None] | None = None,
 ) -> Callable:
     """Register `fn(ctx, *args, **kwargs)` for `ops` with type promotion over `operands`.
 
@@ -44,7 +45,7 @@ def pointwise(
         for op in ops:
             names = [n for n in operands if n in signature(op).index]
             positions = {signature(op).index[n]: n for n in names}
-            registry.register(op, dynamic_scalars=dynamic_scalars)(
+            registry.register(op, dynamic_scalars=dynamic_scalars, validate=validate)(
                 _promoting(fn, op, names, positions, promotion, keep_result_dtype)
             )
         return fn

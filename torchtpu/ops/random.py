@@ -67,7 +67,13 @@ def _normal(ctx, mean=0.0, std=1.0):
 # --- continuous distributions -------------------------------------------------------------------
 
 
-@registry.register(aten.uniform.default, random=True, dynamic_scalars=True)
+def _check_uniform_range(x, low=0.0, high=1.0, *, generator=None) -> None:
+    """ATen's CPU kernel (not the meta kernel) rejects an empty or inverted range."""
+    if not low <= high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low} > to={high}")
+
+
+@registry.register(aten.uniform.default, random=True, dynamic_scalars=True, validate=_check_uniform_range)
 def uniform(ctx, x, low=0.0, high=1.0, *, generator=None):
     _check_generator(ctx, generator)
     return _uniform(ctx, low, high)
@@ -146,7 +152,15 @@ def standard_gamma(ctx, alpha, generator=None):
 # --- discrete distributions ---------------------------------------------------------------------
 
 
-@registry.register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor, random=True, dynamic_scalars=True)
+def _check_probability(x, p=None, *, generator=None) -> None:
+    """ATen's CPU kernel (not the meta kernel) rejects a probability outside [0, 1]; a tensor of
+    probabilities is not read to check it."""
+    if isinstance(p, (int, float)) and not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+
+
+@registry.register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor, random=True, dynamic_scalars=True,
+                   validate=_check_probability)
 def bernoulli(ctx, x, p=None, *, generator=None):
     """1 with probability `p` (a number, a tensor broadcast to `x`, or `x` itself), else 0."""
     _check_generator(ctx, generator)
@@ -226,7 +240,15 @@ def randperm(ctx, n, *, generator=None, **options):
     return jax.random.permutation(ctx.rng_key(), n)
 
 
-@registry.register(aten.multinomial.default, random=True)
+def _check_sample_count(probabilities, num_samples, replacement=False, *, generator=None) -> None:
+    """The checks of ATen's CPU kernel that need no values (the meta kernel has none)."""
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > probabilities.shape[-1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+
+
+@registry.register(aten.multinomial.default, random=True, validate=_check_sample_count)
 def multinomial(ctx, probabilities, num_samples, replacement=False, *, generator=None):
     """Category indices drawn by (unnormalized) row weights: with replacement, independent
     categorical draws; without, the Gumbel top-k trick, which draws categories one after another

@@ -31,12 +31,20 @@ class Lowering:
     dynamic_scalars: bool = False
     # The op draws random numbers (`ctx.rng_key()`).
     random: bool = False
+    # Checks of argument values PyTorch makes in its CPU kernel but not its meta kernel:
+    # `validate(*args, **kwargs)` gets tensors as meta tensors and Scalars as values, and raises
+    # PyTorch's error. The executors run it whenever a call's Scalars are unlike earlier ones.
+    validate: Callable[..., None] | None = None
+    # Output metadata where PyTorch's meta kernel disagrees with its CPU kernel: called like the
+    # op on meta tensors instead of it.
+    meta: Callable[..., Any] | None = None
 
 
 _LOWERINGS: dict[OpOverload, Lowering] = {}
 
 
-def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = False):
+def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = False,
+             validate: Callable[..., None] | None = None, meta: Callable[..., Any] | None = None):
     """Decorator: `fn` lowers each of `ops` (functional overloads only)."""
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,7 +53,7 @@ def register(*ops: OpOverload, dynamic_scalars: bool = False, random: bool = Fal
                 raise TypeError(f"register() takes OpOverloads, got {op!r}")
             if op in _LOWERINGS:
                 raise ValueError(f"{op} already has a lowering ({_LOWERINGS[op].fn.__qualname__})")
-            _LOWERINGS[op] = Lowering(op, fn, dynamic_scalars, random)
+            _LOWERINGS[op] = Lowering(op, fn, dynamic_scalars, random, validate, meta)
         return fn
 
     return decorator

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
 import torch
 from torch._ops import OpOverload
+
+T = TypeVar("T")
 
 
 class ArgKind(enum.Enum):
@@ -122,32 +125,79 @@ def signature(op: OpOverload) -> Signature:
     return Signature(op, args, len(schema.returns))
 
 
+def _argument_key(arg) -> tuple[str, str]:
+    """An argument's name and type, without alias annotations or default."""
+    return arg.name, str(arg.type)
+
+
+def _functional_packets(name: str, inplace: bool) -> tuple[str, ...]:
+    """Names of the op packets that may hold the functional form of overloads of `name`."""
+    if not inplace:
+        return (name,)
+    base = name[:-1]
+    return (base, base + "_functional")
+
+
 @functools.lru_cache(maxsize=None)
+def _functional_form(op: OpOverload) -> tuple[OpOverload, tuple[int, ...]] | None:
+    sig = signature(op)
+    if not sig.written:
+        return op, tuple(range(len(sig.args)))
+    name = op._schema.name.split("::")[1]
+    if sig.is_inplace and not name.endswith("_"):
+        return None
+    namespace = getattr(torch.ops, op.namespace)
+    # The functional form takes the same arguments (names and types; defaults may differ) less
+    # the `out=` ones, possibly in another order: `polygamma_(self, n)` is `polygamma(n, self)`.
+    inputs = {
+        _argument_key(a): i
+        for i, (a, info) in enumerate(zip(op._schema.arguments, sig.args))
+        if not (sig.is_out and info.writes)
+    }
+    types = [key[1] for key in inputs]
+    matches = []
+    for packet_name in _functional_packets(name, sig.is_inplace):
+        packet = getattr(namespace, packet_name, None)
+        if packet is None:
+            continue
+        for overload_name in packet.overloads():
+            candidate = getattr(packet, overload_name)
+            if signature(candidate).written:
+                continue
+            keys = [_argument_key(a) for a in candidate._schema.arguments]
+            if sorted(keys) == sorted(inputs):
+                order = tuple(inputs[k] for k in keys)
+            elif [key[1] for key in keys] == types:
+                # Same types in the same order under other names (`dropout_(self)`, `dropout(input)`).
+                order = tuple(inputs.values())
+            else:
+                continue
+            # Prefer matching names, then the same overload name, then the same argument order.
+            by_name = sorted(keys) == sorted(inputs)
+            rank = (not by_name, overload_name != op._overloadname, order != tuple(sorted(order)))
+            matches.append((rank, str(candidate), candidate, order))
+    if not matches:
+        return None
+    _, _, candidate, order = min(matches, key=lambda m: (m[0], m[1]))
+    return candidate, order
+
+
 def functional_variant(op: OpOverload) -> OpOverload | None:
     """The functional overload computing the values an in-place or `out=` overload writes.
 
-    `aten.add_.Tensor` -> `aten.add.Tensor`; `aten.add.out` -> `aten.add.Tensor` (the overload
-    of the same name whose arguments are the non-out arguments). None if there is none.
+    Found by argument schema, not by overload name: `aten.add_.Tensor` -> `aten.add.Tensor`,
+    `aten.pow_.Scalar` -> `aten.pow.Tensor_Scalar`, `aten.bernoulli_.float` -> `aten.bernoulli.p`,
+    `aten.normal_.default` -> `aten.normal_functional.default`, `aten.add.out` -> `aten.add.Tensor`.
+    A functional op is its own variant. None if there is none.
     """
-    sig = signature(op)
-    if not sig.written:
-        return op
-    namespace = getattr(torch.ops, op.namespace)
-    name = op._schema.name.split("::")[1]
-    if sig.is_inplace:
-        packet = getattr(namespace, name.rstrip("_"), None) if name.endswith("_") else None
-        if packet is None:
-            return None
-        candidate = getattr(packet, op._overloadname, None)
-        return candidate if candidate is not None and not signature(candidate).written else None
-    inputs = [(a.name, str(t.type)) for a, t in zip(sig.args, op._schema.arguments) if not a.writes]
-    packet = getattr(namespace, name, None)
-    if packet is None:
-        return None
-    for overload_name in packet.overloads():
-        candidate = getattr(packet, overload_name)
-        if signature(candidate).written:
-            continue
-        if [(a.name, str(a.type)) for a in candidate._schema.arguments] == inputs:
-            return candidate
-    return None
+    form = _functional_form(op)
+    return form[0] if form is not None else None
+
+
+def functional_arguments(op: OpOverload, values: Sequence[T]) -> list[T]:
+    """`op`'s schema-ordered argument `values` as its functional variant takes them: `out=`
+    arguments dropped, the rest in the functional schema's order."""
+    form = _functional_form(op)
+    if form is None:
+        raise ValueError(f"{op} has no functional variant")
+    return [values[i] for i in form[1]]

@@ -101,6 +101,19 @@ def test_inplace_into_views_of_one_base():
     torch.testing.assert_close(on_tpu.cpu(), expected)
 
 
+@pytest.mark.parametrize("op", [torch._foreach_addcdiv, torch._foreach_addcmul, torch._foreach_addcdiv_])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_per_tensor_scalars_in_a_cpu_tensor(op, dtype):
+    """The `scalars` of `_foreach_addcdiv.Tensor` may be a 1-D CPU tensor, as on CPU and CUDA."""
+    scalars = torch.tensor(SCALARS, dtype=dtype)
+    denominators = torch._foreach_add(torch._foreach_abs(THIRD), 1)
+    expected = [t.clone() for t in SELF]
+    actual = _moved(SELF)
+    result = op(expected, OTHER, denominators, scalars)
+    moved = op(actual, _moved(OTHER), _moved(denominators), scalars)
+    _assert_lists_close(actual if moved is None else moved, expected if result is None else result)
+
+
 def test_one_program_per_call_and_none_for_new_scalars():
     params = _moved(SELF)
     torch._foreach_add_(params, SCALARS)

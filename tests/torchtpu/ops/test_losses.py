@@ -63,16 +63,19 @@ def test_cross_entropy(reduction):
         lambda a, b, reduction: F.smooth_l1_loss(a, b, reduction=reduction, beta=0.5),
         lambda a, b, reduction: F.smooth_l1_loss(a, b, reduction=reduction, beta=0.0),
         lambda a, b, reduction: F.huber_loss(a, b, reduction=reduction, delta=0.7),
-        pytest.param(
-            lambda a, b, reduction: F.soft_margin_loss(a, b.sign(), reduction=reduction),
-            marks=pytest.mark.xfail(strict=True, reason=(
-                "core: an out= op into a tensor of the wrong shape does not resize it "
-                "(soft_margin_loss's CPU-agnostic kernel writes into empty({0}))")),
-        ),
     ],
 )
 def test_regression_losses(loss, reduction):
     check(lambda a, b: loss(a, b, reduction=reduction), randn(4, 5), randn(4, 5))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_soft_margin_loss(reduction):
+    # Its device-generic kernel writes into an `empty({0})` out= tensor, resized to the result.
+    target = randn(4, 5).sign()
+    check(lambda a: F.soft_margin_loss(a, target.to(a.device), reduction=reduction), randn(4, 5))
+    check(lambda a: F.soft_margin_loss(a, torch.ones((), dtype=a.dtype, device=a.device), reduction=reduction),
+          randn(1)[0])
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

@@ -198,14 +198,9 @@ INPLACE = {
     "mul_scalar_": lambda x, y: x.mul_(3.0),
     "div_floor_": lambda x, y: x.div_(y, rounding_mode="floor"),
     "pow_": lambda x, y: x.abs_().pow_(y),
-    "pow_scalar_": pytest.param(
-        lambda x, y: x.pow_(2),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="core: schema.functional_variant maps pow_.Scalar to pow.Scalar (Scalar base) "
-            "instead of pow.Tensor_Scalar",
-        ),
-    ),
+    "pow_scalar_": lambda x, y: x.pow_(2),
+    "polygamma_": lambda x, y: x.abs_().add_(0.5).polygamma_(1),  # polygamma(n, self): other order
+    "ldexp_": lambda x, y: x.ldexp_(torch.full_like(x, 3)),
     "clamp_": lambda x, y: x.clamp_(-0.5, 0.5),
     "exp_": lambda x, y: x.exp_(),
     "lerp_": lambda x, y: x.lerp_(y, 0.3),
@@ -245,13 +240,49 @@ def test_out_variants():
     same_as_cpu(run, RANDOM, RANDOM[0])
 
 
-@pytest.mark.xfail(strict=True, reason="core: out= tensors are not resized to the result's shape")
 def test_out_variant_resizes_an_empty_out():
     def run(x):
         out = torch.empty(0, device=x.device)
         return torch.exp(x, out=out)
 
     same_as_cpu(run, RANDOM)
+
+
+def test_out_variant_resizes_a_wrong_shape_with_pytorchs_warning():
+    def run(x):
+        out = torch.empty(5, device=x.device)
+        with pytest.warns(UserWarning, match="An output with one or more elements was resized"):
+            result = torch.mul(x, 2, out=out)
+        assert result is out
+        return out
+
+    same_as_cpu(run, RANDOM)
+
+
+def test_inplace_overloads_found_by_argument_schema():
+    """`float_power_.Scalar` is `float_power.Tensor_Scalar`, `float_power_.Tensor` is
+    `float_power.Tensor_Tensor`, `pow_.Tensor` is `pow.Tensor_Tensor` (not same-named overloads)."""
+
+    def run(x, y):
+        x = x.double()
+        a, b, c = x.clone(), x.clone(), x.abs()
+        assert a.float_power_(3) is a and b.float_power_(y.double()) is b and c.pow_(y.double()) is c
+        return a, b, c
+
+    same_as_cpu(run, RANDOM, RANDOM[1])
+
+
+def test_integer_power_checks_every_new_exponent():
+    """CPU rejects an integer tensor to a negative integer Scalar power; the cached program of
+    `x ** 2` must not skip that check for `x ** -1`."""
+    x = torch.arange(1, 7).reshape(2, 3)
+    same_as_cpu(lambda t: t ** 2, x)
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
+            x.to(device) ** -1
+        with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
+            x.to(device).clone().pow_(-2)
+    same_as_cpu(lambda t: t ** -1.0, x)  # a float exponent promotes instead
 
 
 def test_integer_out_of_float_op_is_refused_like_cpu():

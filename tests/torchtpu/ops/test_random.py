@@ -9,6 +9,7 @@ Streams are fixed by seeding, so every statistical test here is deterministic; i
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -232,9 +233,29 @@ def test_dropout_in_eval_mode_and_through_autograd():
     torch.testing.assert_close(leaf.grad.cpu(), kept.float() / 0.75)
 
 
-@pytest.mark.xfail(strict=True, reason="core: functional_variant finds no functional overload for "
-                   "normal_.default (normal_functional) or bernoulli_.float (bernoulli.p); "
-                   "their decompositions call prims")
-@pytest.mark.parametrize("draw", [lambda x: x.normal_(1.0, 2.0), lambda x: x.bernoulli_(0.5)], ids=["normal_", "bernoulli_float"])
-def test_inplace_overloads_named_unlike_their_functional(draw):
-    draw(_empty(8))
+def test_inplace_overloads_named_unlike_their_functional():
+    """`normal_` runs as `normal_functional`, `bernoulli_.float` as `bernoulli.p` (found by
+    argument schema): the draws follow the distributions and land in `self`."""
+    x = _empty()
+    assert x.normal_(1.0, 2.0) is x
+    assert stats.kstest(_host(x), stats.norm(1, 2).cdf).pvalue > P_MIN
+    y = _empty()
+    assert y.bernoulli_(0.25) is y
+    ones = _host(y)
+    assert set(np.unique(ones)) <= {0.0, 1.0}
+    assert stats.binomtest(int(ones.sum()), N, 0.25).pvalue > P_MIN
+
+
+def test_new_scalar_values_are_checked_after_the_program_is_cached():
+    x = _empty(8)
+    x.normal_(0.0, 1.0)
+    with pytest.raises(RuntimeError, match="std >= 0"):
+        x.normal_(0.0, -1.0)
+    with pytest.raises(RuntimeError, match="std >= 0"):
+        torch.empty(8).normal_(0.0, -1.0)  # the same error as on CPU
+    for bad in (lambda t: t.bernoulli_(1.5), lambda t: torch.bernoulli(t, -0.5), lambda t: t.uniform_(2, 1),
+                lambda t: torch.multinomial(t.abs(), 0), lambda t: torch.multinomial(t.abs(), 9)):
+        with pytest.raises(RuntimeError) as on_cpu:
+            bad(torch.rand(8))
+        with pytest.raises(RuntimeError, match=re.escape(str(on_cpu.value)[:20])):
+            bad(x)

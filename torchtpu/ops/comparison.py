@@ -1,4 +1,4 @@
-"""Comparisons and selections: eq..ge, logical_*, bitwise_* and shifts, maximum/minimum and their
+"""Comparisons and selections: eq..ge, equal, logical_*, bitwise_* and shifts, maximum/minimum and their
 NaN-ignoring fmax/fmin, clamp, where, and the predicates isnan/isinf/isposinf/isneginf/signbit.
 
 Comparisons promote their operands to a common dtype first (`ALWAYS_BOOL`), so `int_tensor == 2.5`
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torchtpu.ops import registry
 from torchtpu.ops.pointwise import elementwise, unary
 from torchtpu.ops.promotion import ALWAYS_BOOL, DEFAULT, NO_OPMATH, pointwise
 
@@ -20,6 +21,15 @@ aten = torch.ops.aten
 def _binary(ops, fn, promotion) -> None:
     for op in ops:
         pointwise(op, promotion=promotion)(elementwise(fn))
+
+
+@registry.register_data_dependent(aten.equal.default)
+def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """`torch.equal`: same shape and equal elements (compared after type promotion, NaN unequal
+    to itself). Its result is a Python bool, so it reads one value to the host."""
+    if self.shape != other.shape:
+        return False
+    return bool(torch.eq(self, other).all())
 
 
 def _overloads(*names: str, kinds=("Tensor", "Scalar")):

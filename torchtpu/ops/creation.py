@@ -10,6 +10,8 @@ runtime inputs (`dynamic_scalars`): a new value does not recompile.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -24,7 +26,20 @@ def _integral(dtype) -> bool:
     return not jnp.issubdtype(dtype, jnp.inexact)
 
 
-@registry.register(aten.arange.start_step)
+def _arange_meta(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`arange`'s output as ATen's CPU kernel sizes it. For integer dtypes narrower than int64
+    the size comes from the float64 range, and a fractional step that truncates to 0 is allowed
+    (every element is `start`); PyTorch's meta kernel rejects that step."""
+    if dtype in (torch.int8, torch.int16, torch.int32, torch.uint8) and step != 0 and int(step) == 0:
+        size = math.ceil((float(end) - float(start)) / float(step))
+        if size < 0:
+            raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+        return torch.empty(size, dtype=dtype, device="meta")
+    return aten.arange.start_step(start, end, step, dtype=dtype, layout=layout, device=device,
+                                  pin_memory=pin_memory)
+
+
+@registry.register(aten.arange.start_step, meta=_arange_meta)
 def arange(ctx, start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
     out = ctx.out_dtype()
     if _integral(out):
@@ -84,8 +99,10 @@ def linspace(ctx, start, end, steps, *, dtype=None, layout=None, device=None, pi
 def logspace(ctx, start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
     """base ** linspace(start, end): for floating outputs, start and end rounded to the output
     dtype, then exponents and powers in opmath (float32 for bfloat16, unlike linspace itself);
-    for integer outputs, in float64."""
+    for integer outputs, in float64. One step is base ** start in float64, unrounded."""
     out = ctx.out_dtype()
+    if steps == 1:  # ATen fills base ** start, computed in float64
+        return jnp.full((1,), np.power(np.float64(base), np.float64(start))).astype(out)
     if _integral(out):
         compute = np.dtype(np.float64)
         exponents = linspace_values(start, end, steps, out)

@@ -8,6 +8,8 @@ one, so that their lowerings can run. Each rule only allocates outputs, like the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 aten = torch.ops.aten
@@ -49,7 +51,48 @@ def geqrf(x):
     )
 
 
-
 @_meta(aten._ctc_loss_backward.default)
 def ctc_loss_backward(grad, log_probs, *args, **kwargs):
     return torch.empty_like(log_probs)
+
+
+def _check_histogram_input(x, weight, edges_dtype) -> None:
+    """The argument checks of ATen's CPU histogram (`histogramdd_check_inputs`)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        raise NotImplementedError(f'"histogramdd" not implemented for {x.dtype}')
+    if edges_dtype != x.dtype:
+        raise RuntimeError("torch.histogramdd: input tensor and bins tensors should have the same dtype")
+    if weight is not None:
+        if weight.shape != x.shape:
+            raise RuntimeError(
+                f"torch.histogramdd: if weight tensor is provided it should have the same shape as the "
+                f"input tensor excluding its innermost dimension, but got {tuple(weight.shape)} and {tuple(x.shape)}"
+            )
+        if weight.dtype != x.dtype:
+            raise RuntimeError("torch.histogramdd: if weight tensor is provided, input tensor and weight tensor should have the same dtype")
+
+
+@_meta(aten.histogram.bin_ct)
+def histogram(x, bins=100, *, range=None, weight=None, density=False):
+    _check_histogram_input(x, weight, x.dtype)
+    if bins <= 0:
+        raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    if range is not None:
+        if len(range) != 2:
+            raise RuntimeError(f"torch.histogramdd: for a 1-dimensional histogram range should have 2 elements, but got {len(range)}")
+        low, high = range
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise RuntimeError(f"torch.histogramdd: dimension 0's range [{low}, {high}] is not finite")
+        if low > high:
+            raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {low} max {high} for dimension 0")
+    return x.new_empty(bins), x.new_empty(bins + 1)
+
+
+@_meta(aten.histogram.bins_tensor)
+def histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    _check_histogram_input(x, weight, bins.dtype)
+    if bins.dim() != 1:
+        raise RuntimeError(f"torch.histogramdd: bins tensor should have one dimension, but got {bins.dim()} dimensions in the bins tensor for dimension 0")
+    if bins.numel() == 0:
+        raise RuntimeError("torch.histogramdd: bins tensor should have at least 1 element, but got 0 elements for dimension 0")
+    return x.new_empty(bins.numel() - 1), torch.empty_like(bins)

@@ -18,6 +18,7 @@ import torch
 from jax import lax
 
 from torchtpu.ops import registry
+from torchtpu.ops.creation import linspace_values
 from torchtpu.ops.promotion import DEFAULT
 from torchtpu.ops.reduction import opmath
 
@@ -263,6 +264,51 @@ def histc(ctx, x, bins=100, min=0, max=0):
     position = ((x - low) * bins / (high - low)).astype(np.int64)
     position = jnp.where(counted, jnp.minimum(position, bins - 1), bins)
     return jnp.zeros(bins, x.dtype).at[position].add(jnp.ones_like(x), mode="drop")
+
+
+def _bin_counts(x, edges, weight):
+    """Sums of `weight` (ones if None) of the values of `x` in the bins between consecutive
+    `edges`: a bin holds [left, right) except the last, [left, right]; values outside (and
+    NaN) are not counted, as in ATen's CPU kernel."""
+    bins = edges.shape[0] - 1
+    counted = (x >= edges[0]) & (x <= edges[-1])
+    position = jnp.minimum(jnp.searchsorted(edges, x, side="right") - 1, bins - 1)
+    position = jnp.where(counted, position, bins)
+    weight = jnp.ones_like(x) if weight is None else weight.reshape(-1)
+    return jnp.zeros(bins, x.dtype).at[position].add(weight, mode="drop")
+
+
+def _density(hist, edges):
+    """Counts to a density: divided by their sum, then by each bin's width (ATen's order)."""
+    return hist / jnp.sum(hist) / jnp.diff(edges)
+
+
+@registry.register(aten.histogram.bin_ct)
+def histogram(ctx, x, bins=100, *, range=None, weight=None, density=False):
+    """`bins` equal bins over `range`, or over [min, max] of the data (an empty input: [0, 1]);
+    a degenerate range is widened by 0.5 on each side. The edges are computed as `linspace` in
+    the input dtype, from the range in float64, as on CPU. A data range that is not finite is a
+    device-side check (CPU raises at once; here the next synchronisation raises)."""
+    x = x.reshape(-1)
+    if range is not None:
+        low, high = (jnp.asarray(v, np.float64) for v in range)
+    elif x.size:
+        low, high = jnp.min(x).astype(np.float64), jnp.max(x).astype(np.float64)
+        ctx.check(jnp.isfinite(low) & jnp.isfinite(high), "the input's range is not finite (it holds inf or NaN)")
+    else:
+        low, high = jnp.asarray(0.0, np.float64), jnp.asarray(1.0, np.float64)
+    widen = low == high
+    low, high = jnp.where(widen, low - 0.5, low), jnp.where(widen, high + 0.5, high)
+    edges = linspace_values(low, high, bins + 1, x.dtype)
+    hist = _bin_counts(x, edges, weight)
+    return (_density(hist, edges) if density else hist), edges
+
+
+@registry.register(aten.histogram.bins_tensor)
+def histogram_bins_tensor(ctx, x, bins, *, weight=None, density=False):
+    """Bins between the given edges (increasing, as on CPU)."""
+    hist = _bin_counts(x.reshape(-1), bins, weight)
+    return (_density(hist, bins) if density else hist), bins
 
 
 @registry.register_data_dependent(aten.bincount.default)

@@ -105,3 +105,14 @@ def test_predicates(x):
         lambda a: (torch.isnan(a), torch.isinf(a), torch.isposinf(a), torch.isneginf(a), torch.isfinite(a), torch.signbit(a)),
         x,
     )
+
+
+@pytest.mark.parametrize(
+    "x, y",
+    [(X, X), (X[:, :5], X[:, :5].clone()), (I, I.float()), (I, I + 1), (I > 0, (I > 0).long()),
+     (I, I.t()), (torch.zeros(0), torch.zeros(0, 1)), (X[:, :5], X[:, :5].double())],
+    ids=["nan_unequal_to_itself", "equal", "promoted", "differ", "bool_int", "shapes", "empty_shapes", "dtypes"],
+)
+def test_equal(x, y):
+    """`torch.equal` (a Python bool): the same on `tpu` as on CPU."""
+    assert torch.equal(x.to("tpu"), y.to("tpu")) is torch.equal(x, y)

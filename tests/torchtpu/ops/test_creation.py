@@ -30,12 +30,27 @@ ARANGE = [
 def test_arange(args, dtype):
     try:
         torch.arange(*args, dtype=dtype)
-        torch.arange(*args, dtype=dtype, device="meta")
-    except (RuntimeError, ValueError):
-        # int32 with a step that truncates to 0: CPU computes it, PyTorch's meta kernel (the
-        # executor's source of output metadata) rejects it, as CPU does for int64.
-        pytest.skip("rejected by PyTorch's CPU or meta kernel")
+    except (RuntimeError, ValueError) as error:
+        with pytest.raises(type(error)):
+            torch.arange(*args, dtype=dtype, device="tpu")
+        return
+    # int32 with a step that truncates to 0 (0.3, 0.1): CPU computes it (every element is
+    # `start`), though PyTorch's meta kernel rejects it.
     same_on_both(lambda device: torch.arange(*args, dtype=dtype, device=device))
+
+
+def test_logspace_of_one_step_is_base_to_the_unrounded_start():
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        same_on_both(lambda device: torch.logspace(4.3, -3, 1, base=10.0, dtype=dtype, device=device))
+
+
+def test_factory_calls_on_the_default_device():
+    with torch.device("tpu"):
+        actual = (torch.arange(2), torch.linspace(1, 3, 1), torch.logspace(3, 1, 1, 2.0))
+    expected = (torch.arange(2), torch.linspace(1, 3, 1), torch.logspace(3, 1, 1, 2.0))
+    for a, e in zip(actual, expected):
+        assert a.device.type == "tpu"
+        torch.testing.assert_close(a.cpu(), e)
 
 
 def test_arange_out_and_float_steps_truncated_for_integer_results():

@@ -157,6 +157,49 @@ def test_histc():
     same_as_cpu(lambda t: torch.histc(t, 6, -2, 2), data.bfloat16())
 
 
+def _like(x: torch.Tensor, values: list) -> torch.Tensor:
+    return torch.tensor(values, dtype=x.dtype, device=x.device)
+
+
+HISTOGRAMS = {
+    "bins": lambda x: torch.histogram(x, 7),
+    "range": lambda x: torch.histogram(x, 5, range=(-1.0, 1.0)),  # values outside are dropped
+    "degenerate_range": lambda x: torch.histogram(torch.ones_like(x), 4),  # widened by 0.5
+    "empty": lambda x: torch.histogram(x[:0], 4),  # edges over [0, 1]
+    "edges": lambda x: torch.histogram(x.reshape(10, 50), _like(x, [-2.0, -0.5, 0.0, 1.5, 3.0])),
+    "weighted_density": lambda x: torch.histogram(x, 6, range=(-2.0, 2.0), weight=x.abs(), density=True),
+    "edges_density": lambda x: torch.histogram(x, _like(x, [-3.0, 0.0, 0.5, 3.0]), density=True),
+}
+
+
+@pytest.mark.parametrize("name", HISTOGRAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_histogram(name, dtype):
+    data = torch.randn(500, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    fn = HISTOGRAMS[name]
+    same_as_cpu(lambda x: tuple(fn(x)), data)
+
+
+def test_histogram_rejects_what_cpu_rejects():
+    data = torch.randn(8)
+    bad = [lambda x: torch.histogram(x, 0), lambda x: torch.histogram(x, 3, range=(2.0, 1.0)),
+           lambda x: torch.histogram(x.long(), 3), lambda x: torch.histogram(x, x.double()),
+           lambda x: torch.histogram(x, 3, weight=x[:4])]
+    for fn in bad:
+        with pytest.raises(Exception) as on_cpu:
+            fn(data)
+        with pytest.raises(on_cpu.type):
+            fn(data.to("tpu"))
+    with pytest.raises(RuntimeError, match="not finite"):  # a data range, checked on the device
+        torch.histogram(torch.tensor([0.0, math.inf]).to("tpu"), 4)[0].cpu()
+
+
+def test_quantile_of_a_0_dim_tensor():
+    same_as_cpu(lambda x: (torch.quantile(x, 0.5), torch.nanquantile(x, 0.3, dim=0, keepdim=True)), SCALAR)
+    same_as_cpu(lambda x: torch.quantile(x, torch.tensor([0.25, 0.75], device=x.device)), SCALAR)
+    same_as_cpu(input_gradient(lambda x: torch.quantile(x, 0.5)), SCALAR)
+
+
 def test_bincount():
     x = torch.tensor([1, 1, 5, 2, 0, 5, 5])
     same_as_cpu(torch.bincount, x)

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["strict", "defer", "compiled"], default="defer")
     parser.add_argument("--precision", choices=["default", "high", "highest"], default="default",
                         help="tpu matmul precision (default: bf16 products, as a TPU computes them)")
+    parser.add_argument("--sharding", choices=["direct", "planner"], default="direct",
+                        help="direct: one SparseCore collection over every device (checkpointable); planner: "
+                             "TorchRec's planner and DMP with the plugin's sharders (no checkpoints yet)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to spawn on this machine")
     parser.add_argument("--devices", type=int, default=1,
                         help="tpu devices per process (CPU stand-ins here; see launch.py before raising it)")
@@ -49,15 +52,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
+    if args.sharding == "planner" and args.checkpoint_dir is not None:
+        parser.error("--checkpoint-dir needs --sharding direct: the plugin's fused optimizer exposes no state to save")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    planner = args.sharding == "planner"
+    processes = launch.Processes(devices=args.devices, process_group=planner, join_mesh=not planner)
     if args.nproc > 1 and not launch.launched_by_torchrun():
-        launch.spawn(_job, args.nproc, args.devices, args)
+        launch.spawn(_job, args.nproc, processes, args)
     else:
-        launch.run(_job, args, devices=args.devices)
+        launch.run(_job, processes, args)
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -82,7 +89,13 @@ def _job(args: argparse.Namespace) -> None:
         precision=args.precision,
         progress=args.progress,
     )
-    summary = train(build(config, seed=args.seed), _source(args, config, rank, world), options)
+    if args.sharding == "planner":
+        from torchrec_plugin.dlrm.planned import build_planned
+
+        training = build_planned(config, seed=args.seed)
+    else:
+        training = build(config, seed=args.seed)
+    summary = train(training, _source(args, config, rank, world), options)
     if rank == 0:
         print(summary.report(), flush=True)
 

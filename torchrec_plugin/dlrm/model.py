@@ -13,7 +13,9 @@ optimizer -- from the same initial weights: the numerical reference of the train
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,13 +24,24 @@ from torchrec.models.dlrm import DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SparseCoreBatch, SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingConfig, runtime_topology
 from sparsecore.optimizers import Adagrad
 from sparsecore.topology import Topology
 from torchrec_plugin.dlrm.config import DLRMConfig
 
-__all__ = ["SPARSE_PREFIX", "DLRMTraining", "PreparedBatch", "build", "embedding_bag_configs", "reference"]
+__all__ = [
+    "SPARSE_PREFIX",
+    "DLRMTraining",
+    "PreparedBatch",
+    "build",
+    "dense_optimizer",
+    "dense_parameters",
+    "dlrm_dcn",
+    "embedding_bag_configs",
+    "reference",
+]
 
 SPARSE_PREFIX = "sparse_arch.embedding_bag_collection."
 """Where `DLRM_DCN` keeps its embedding collection (the tables' names in its state dict)."""
@@ -37,28 +50,34 @@ SPARSE_PREFIX = "sparse_arch.embedding_bag_collection."
 @dataclass(frozen=True)
 class PreparedBatch:
     """A batch ready for the step: dense features and labels on `tpu`, sparse features
-    preprocessed into the SparseCore buffers."""
+    preprocessed into the SparseCore buffers (or, for the DMP-sharded model, the KJT on `tpu`)."""
 
     dense: torch.Tensor
-    sparse: SparseCoreBatch
+    sparse: SparseCoreBatch | KeyedJaggedTensor
     labels: torch.Tensor
 
 
 @dataclass
 class DLRMTraining:
-    """The model, its tables, and the optimizer of its dense layers."""
+    """The model, its tables (the `SparseCoreEmbeddingBagCollection` of `build`; None when the
+    plugin's DMP holds them, see `planned`), the optimizer of its dense layers, and how a batch's
+    sparse features are made ready for the model (`prepare_sparse`)."""
 
     config: DLRMConfig
-    model: DLRM_DCN
-    tables: SparseCoreEmbeddingBagCollection
+    model: nn.Module
+    tables: SparseCoreEmbeddingBagCollection | None
     dense_optimizer: torch.optim.Optimizer
+    prepare_sparse: Callable[[KeyedJaggedTensor], Any]
+    tables_average_processes: bool = False
+    """True when the tables average their gradient over processes (TorchRec's sharded modules
+    divide it by the world size); the SparseCore collection sums every process's gradient."""
 
     def prepare(self, batch: Batch) -> PreparedBatch:
         """Host preprocessing of one batch and its transfer to the device (what the prefetching
         loader runs on its worker thread)."""
         return PreparedBatch(
             dense=batch.dense_features.to("tpu"),
-            sparse=self.tables.prepare(batch.sparse_features),
+            sparse=self.prepare_sparse(batch.sparse_features),
             labels=batch.labels.to(torch.float32).to("tpu"),
         )
 
@@ -98,9 +117,9 @@ def build(config: DLRMConfig, seed: int = 0) -> DLRMTraining:
         sparsecore_tables(config, topology), batch_size=config.batch_size, optimizer=optimizer, topology=topology,
         seed=seed,
     )
-    model = _dlrm_dcn(config, tables, torch.device("tpu"), seed).to("tpu")
-    dense_optimizer = _dense_optimizer(config, dense_parameters(model).values())
-    return DLRMTraining(config, model, tables, dense_optimizer)
+    model = dlrm_dcn(config, tables, torch.device("tpu"), seed).to("tpu")
+    optimizer = dense_optimizer(config, dense_parameters(model).values())
+    return DLRMTraining(config, model, tables, optimizer, prepare_sparse=tables.prepare)
 
 
 def reference(training: DLRMTraining) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
@@ -108,12 +127,12 @@ def reference(training: DLRMTraining) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
     torch's Adagrad in the backward, the same dense layers, `torch.optim.Adagrad` for them."""
     config = training.config
     ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("cpu"))
-    model = _dlrm_dcn(config, ebc, torch.device("cpu"), seed=0)
+    model = dlrm_dcn(config, ebc, torch.device("cpu"), seed=0)
     model.load_state_dict({key: value.detach().cpu() for key, value in training.model.state_dict().items()})
     apply_optimizer_in_backward(
         torch.optim.Adagrad, ebc.parameters(), {"lr": config.embedding_learning_rate, "eps": config.epsilon}
     )
-    return model, _dense_optimizer(config, dense_parameters(model).values())
+    return model, dense_optimizer(config, dense_parameters(model).values())
 
 
 def dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -121,7 +140,8 @@ def dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if not name.startswith(SPARSE_PREFIX)}
 
 
-def _dlrm_dcn(config: DLRMConfig, ebc: nn.Module, device: torch.device, seed: int) -> DLRM_DCN:
+def dlrm_dcn(config: DLRMConfig, ebc: nn.Module, device: torch.device, seed: int) -> DLRM_DCN:
+    """TorchRec's DLRM_DCN over `ebc`, dense layers on `device` from `torch.manual_seed(seed)`."""
     torch.manual_seed(seed)
     return DLRM_DCN(
         embedding_bag_collection=ebc,
@@ -134,5 +154,5 @@ def _dlrm_dcn(config: DLRMConfig, ebc: nn.Module, device: torch.device, seed: in
     )
 
 
-def _dense_optimizer(config: DLRMConfig, parameters) -> torch.optim.Optimizer:
+def dense_optimizer(config: DLRMConfig, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(list(parameters), lr=config.dense_learning_rate, eps=config.epsilon)

@@ -15,9 +15,10 @@ here as a rendezvous timeout). The worker makes the batch on the host unlocked a
 only for `prepare` (the preprocessing and the transfer to the mesh).
 
 With several processes (`torch.distributed` initialised, a group serving `tpu` tensors), each
-trains on its own samples; the loss is the mean over all processes' samples, as TorchRec's
-data-parallel dense layers and model-parallel tables see it (dense gradients summed by an
-all-reduce of the scaled loss's gradients, tables updated with every process's gradient).
+trains on its own samples and every weight moves by the gradient of the mean loss over all
+processes' samples, as under TorchRec's DMP: the dense gradients are all-reduced (DDP's job,
+done here in one flat collective), the tables average (DMP) or sum the gradients of the
+processes' losses divided by their number (the SparseCore collection).
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ class Summary:
 
 def train(training: DLRMTraining, source: BatchSource, options: TrainOptions) -> Summary:
     """Run the job (see the module docstring); every process of a multi-process job calls it."""
+    if options.checkpoint_dir is not None and training.tables is None:
+        raise ValueError("checkpoints need the SparseCore tables' optimizer state, which the DMP-sharded model "
+                         "does not expose (see torchrec_plugin.dlrm.planned): train with --sharding direct")
     start = checkpoint.restore(training, options.checkpoint_dir) if options.resume else 0
     if start > options.steps:
         raise ValueError(f"the checkpoint in {options.checkpoint_dir} is at step {start}, past --steps {options.steps}")
@@ -194,9 +198,14 @@ def _train_step(training: DLRMTraining, forward, batch: PreparedBatch, processes
     logits = forward(batch.dense, batch.sparse).squeeze(-1)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
     training.dense_optimizer.zero_grad()
-    (loss / processes if processes > 1 else loss).backward()
-    if processes > 1:
-        _sum_dense_gradients(training)
+    if processes == 1:
+        loss.backward()
+    elif training.tables_average_processes:
+        loss.backward()
+        _all_reduce_dense_gradients(training, scale=1.0 / processes)
+    else:
+        (loss / processes).backward()
+        _all_reduce_dense_gradients(training, scale=1.0)
     training.dense_optimizer.step()
     return loss.detach()
 
@@ -209,11 +218,13 @@ def _locked(prepare: Callable[[Batch], PreparedBatch]) -> Callable[[Batch], Prep
     return locked
 
 
-def _sum_dense_gradients(training: DLRMTraining) -> None:
-    """All-reduce the dense gradients (one flat tensor: one collective per step)."""
+def _all_reduce_dense_gradients(training: DLRMTraining, scale: float) -> None:
+    """Sum the dense gradients over processes, times `scale` (one flat collective per step)."""
     grads = [p.grad for p in training.dense_parameters().values() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
+    if scale != 1.0:
+        flat = flat * scale
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -1,0 +1,154 @@
+"""Examples/s of the DLRM-DCN training job on `tpu` in each mode, against plain TorchRec on CPU.
+
+Same model (a `torchrec_plugin.dlrm.config` preset, `mlperf` by default), same batches (a few
+synthetic batches made once and cycled, so data generation is not timed), same batch size and
+process count. The baseline is what a user would otherwise run on this machine: TorchRec's
+`DistributedModelParallel` on CPU over gloo with FBGEMM's fused Adagrad kernels for the tables
+(planned by TorchRec's own planner) and `torch.optim.Adagrad` for the dense layers.
+
+Each measurement runs in a fresh process; the script prints examples/s per configuration and
+the ratio to TorchRec's. A script, not a test: nothing asserts.
+
+    python benchmarks/dlrm_throughput.py [--size mlperf] [--steps 30] [--modes strict defer compiled]
+                                         [--sharding planner direct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CYCLED_BATCHES = 4
+WARMUP_STEPS = 5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="mlperf")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (after a warm-up of 5)")
+    parser.add_argument("--modes", nargs="+", default=["strict", "defer", "compiled"])
+    parser.add_argument("--sharding", nargs="+", default=["planner", "direct"])
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(_measure(args.one, args.size, args.steps)), flush=True)
+        return
+    print(f"DLRM-DCN '{args.size}', 1 process, {args.steps} timed steps; load average {os.getloadavg()[0]:.1f}")
+    baseline = _in_subprocess("torchrec", args)
+    print(f"  TorchRec DMP on CPU (FBGEMM, gloo): {baseline:10,.0f} examples/s")
+    for sharding in args.sharding:
+        for mode in args.modes:
+            rate = _in_subprocess(f"tpu:{sharding}:{mode}", args)
+            print(f"  tpu, {sharding:7s} sharding, {mode:8s}: {rate:10,.0f} examples/s  ({rate / baseline:.2f}x TorchRec)")
+
+
+def _in_subprocess(what: str, args: argparse.Namespace) -> float:
+    # As a module from the checkout: benchmarks/sparsecore.py would shadow the sparsecore package.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHTPU_NUM_DEVICES": "1",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    command = [sys.executable, "-m", "benchmarks.dlrm_throughput", "--one", what, "--size", args.size, "--steps", str(args.steps)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not results:
+        raise RuntimeError(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(results[-1][len("RESULT "):])["examples_per_second"]
+
+
+def _measure(what: str, size: str, steps: int) -> dict:
+    from torchrec_plugin.dlrm.config import preset
+    from torchrec_plugin.dlrm.synthetic import SyntheticCriteo
+
+    config = preset(size)
+    stream = SyntheticCriteo(config, seed=0)
+    batches = [stream.train_batch(step) for step in range(CYCLED_BATCHES)]
+    if what == "torchrec":
+        return _torchrec(config, batches, steps)
+    _, sharding, mode = what.split(":")
+    return _tpu(config, batches, steps, sharding, mode)
+
+
+class _Cycled:
+    """A batch source over a few pre-made batches."""
+
+    def __init__(self, batches: list) -> None:
+        self._batches = batches
+
+    def train_batch(self, step: int):
+        return self._batches[step % len(self._batches)]
+
+    def held_out_batch(self, index: int):
+        return self._batches[index % len(self._batches)]
+
+
+def _tpu(config, batches: list, steps: int, sharding: str, mode: str) -> dict:
+    from torchrec_plugin.dlrm import launch
+    from torchrec_plugin.dlrm.train import TrainOptions, train
+
+    def job() -> dict:
+        if sharding == "planner":
+            from torchrec_plugin.dlrm.planned import build_planned
+
+            training = build_planned(config)
+        else:
+            from torchrec_plugin.dlrm.model import build
+
+            training = build(config)
+        options = TrainOptions(steps=steps + 3, mode=mode, eval_batches=1, progress=False, log_every=steps + 3)
+        summary = train(training, _Cycled(batches), options)
+        return {"examples_per_second": summary.examples_per_second, "input_wait": summary.input_wait_share}
+
+    return launch.run(job, launch.Processes(devices=1, process_group=sharding == "planner"))
+
+
+def _torchrec(config, batches: list, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from torchrec_plugin.dlrm.model import dense_optimizer, dense_parameters, dlrm_dcn, embedding_bag_configs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("meta"))
+    model = dlrm_dcn(config, ebc, torch.device("meta"), seed=0)
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(),
+                                {"lr": config.embedding_learning_rate, "eps": config.epsilon})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), env=ShardingEnv.from_process_group(dist.group.WORLD))
+    optimizer = dense_optimizer(config, dense_parameters(dmp).values())
+
+    def step(batch) -> None:
+        logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for i in range(WARMUP_STEPS):
+        step(batches[i % len(batches)])
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    seconds = time.perf_counter() - start
+    dist.destroy_process_group()
+    return {"examples_per_second": steps * config.batch_size / seconds}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,21 @@ MODE = harness.EAGER_MODES[0]  # counts are for the default mode; other modes ar
 _MISSING_OP = re.compile(r"(aten\.[\w.]+) has no tpu lowering")
 
 
+RUNNING = [
+    "CI runs a deterministic subset (`tests/opinfo/plan.py`: per check and eager mode one entry in N, "
+    "one sample each, the data-dependent-shape entries in every mode, every listed expected failure "
+    "with all its samples):",
+    "",
+    "```bash",
+    "python -m pytest tests/opinfo                      # the CI subset",
+    "python -m tests.opinfo.update                      # the full sweep: every check, mode and sample (hours)",
+    "python -m tests.opinfo.update --samples 2 --checks float32,int64 --modes strict   # what this page ran",
+    "python -m tests.opinfo.update --failed --write     # re-run the failures, rewrite expected_failures.toml",
+    "python docs/gen_op_coverage.py                     # this page, from tests/opinfo/sweep_results.json",
+    "```",
+]
+
+
 def _load(path: Path) -> tuple[dict, list[dict]]:
     if not path.exists():
         sys.exit(f"{path} does not exist: run `python -m tests.opinfo.update` (or pass --sweep)")
@@ -116,6 +131,10 @@ def _core_section() -> list[str]:
     lines = [f"**{native} of {len(core)}** overloads tagged `torch.Tag.core` run natively "
              f"({100 * native / len(core):.1f}%): "
              + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: str(kv[0])) if k) + "."]
+    composite = [str(op) for op in core if coverage.native_kind(op) in (coverage.DECOMPOSED, coverage.EXPLICIT_COMPOSITE)]
+    if composite:
+        lines += ["", "Native through what they call (a decomposition or a composite kernel), not a lowering of "
+                  "their own: " + ", ".join(f"`{c}`" for c in composite) + "."]
     if missing:
         lines += ["", f"Missing ({len(missing)}): " + ", ".join(f"`{m}`" for m in missing) + "."]
     return lines
@@ -155,6 +174,7 @@ def render(payload: dict, records: list[dict]) -> str:
               "values, or an eager mode that does not exist yet):", ""] + _check_table(records)
     lines += ["", "## ATen ops", ""] + op_lines
     lines += ["", "## Core ATen opset", ""] + _core_section()
+    lines += ["", "## Running the sweep", ""] + RUNNING
     lines += ["", "## Failing cases", "", "Grouped by cause; the reason is the one in "
               "`tests/opinfo/expected_failures.toml`."] + _failures(records, expected)
     return "\n".join(lines) + "\n"

@@ -7,7 +7,14 @@ An ATen overload runs natively when it never needs the CPU fallback:
 - view: it only changes metadata, through the backend's view kernels (`view`, `as_strided`) or
   PyTorch's CompositeExplicitAutograd view kernels that end in them;
 - backend kernel: allocation, copies and resizing (`empty`, `copy_`, `resize_`, ...);
-- implicit composite: CompositeImplicitAutograd ops decompose before reaching any backend.
+- implicit composite: CompositeImplicitAutograd ops decompose before reaching any backend;
+- decomposed: the backend runs PyTorch's decomposition of it (`torchtpu.ops.decomps`), whose
+  pieces are native if they are themselves;
+- explicit composite: no tpu kernel, but a CompositeExplicitAutograd kernel that every backend
+  without one runs (`_to_copy`: allocate, then `copy_`), native if the ops it calls are.
+
+The last two kinds are native only as far as what they call is: the OpInfo sweep, run under
+`TORCHTPU_STRICT_OPS=1`, is what proves it for the entries that reach them.
 
 The Core ATen opset is every overload tagged `torch.Tag.core`; all of it must run natively.
 """
@@ -20,12 +27,14 @@ import torch
 import torchtpu  # noqa: F401  (registers the device and fills the registry)
 from torch._ops import OpOverload
 from torchtpu.exec import kernels
-from torchtpu.ops import registry
+from torchtpu.ops import decomps, registry
 
 LOWERED = "lowered"
 VIEW = "view"
 BACKEND_KERNEL = "backend kernel"
 IMPLICIT_COMPOSITE = "implicit composite"
+DECOMPOSED = "decomposed"
+EXPLICIT_COMPOSITE = "explicit composite"
 
 
 @lru_cache(maxsize=None)
@@ -65,6 +74,10 @@ def native_kind(op: OpOverload) -> str | None:
         return BACKEND_KERNEL
     if _has_kernel(op, "CompositeImplicitAutograd"):
         return IMPLICIT_COMPOSITE
+    if decomps.get(op) is not None:
+        return DECOMPOSED
+    if _has_kernel(op, "CompositeExplicitAutograd"):
+        return EXPLICIT_COMPOSITE
     return None
 
 

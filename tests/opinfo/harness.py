@@ -12,6 +12,7 @@ a fixed random cotangent, `torch.autograd.grad`), or the in-place variant's forw
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -235,11 +236,23 @@ def cpu_placements(opinfo: OpInfo, dtype: torch.dtype, requires_grad: bool) -> I
     yield from itertools.repeat(None)
 
 
+def _tensor_to_device(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on `tpu` with its sizes, strides and storage offset: a view is copied with
+    its whole storage (`as_strided` with an explicit offset addresses the storage, not the view)."""
+    t = t.detach()
+    storage_numel = t.untyped_storage().nbytes() // t.element_size()
+    if t.layout != torch.strided or (t.is_contiguous() and t.storage_offset() == 0 and t.numel() == storage_numel):
+        return t.to(DEVICE)
+    storage = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (storage_numel,), (1,))
+    return storage.to(DEVICE).as_strided(t.shape, t.stride(), t.storage_offset()).detach()
+
+
 def _to_device(value: Any) -> Any:
-    """A sample argument as the `tpu` run takes it: tensors copied (keeping requires_grad), and
-    CPU devices -- factory functions' `device=`, `Tensor.to("cpu")` -- replaced by `tpu`."""
+    """A sample argument as the `tpu` run takes it: tensors copied with their layout (keeping
+    requires_grad), and CPU devices -- factory functions' `device=`, `Tensor.to("cpu")` --
+    replaced by `tpu`."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(DEVICE).requires_grad_(value.requires_grad)
+        return _tensor_to_device(value).requires_grad_(value.requires_grad)
     if isinstance(value, torch.device) and value.type == "cpu":
         return DEVICE
     if isinstance(value, str) and value in ("cpu", "cpu:0"):
@@ -428,10 +441,20 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
     return result
 
 
+def _default_device(sample: SampleInput) -> contextlib.AbstractContextManager:
+    """`tpu` as the default device for a sample that names no device and has no tensor (a factory
+    call such as `torch.arange(3)`, which creates its result on the default device), else no-op."""
+    leaves = _leaves(sample)[0]
+    if any(isinstance(leaf, (torch.Tensor, torch.device)) for leaf in leaves) or "device" in sample.kwargs:
+        return contextlib.nullcontext()
+    return torch.device(DEVICE)
+
+
 def _forward(opinfo: OpInfo, sample: SampleInput, device_sample: SampleInput, assert_same: Comparison,
              seed: int) -> str | None:
     expected, cpu_error = _run(lambda: opinfo(sample.input, *sample.args, **sample.kwargs))
-    actual, error = _run(lambda: opinfo(device_sample.input, *device_sample.args, **device_sample.kwargs))
+    with _default_device(device_sample):
+        actual, error = _run(lambda: opinfo(device_sample.input, *device_sample.args, **device_sample.kwargs))
     if cpu_error is not None:
         _same_failure(error, cpu_error, assert_same.where)
         return None

@@ -83,3 +83,28 @@ def test_tolerance_follows_the_compared_values_dtype():
         harness.compare(ints.to(harness.DEVICE) + 1, ints, **TOL)
     floats = torch.tensor([1.0, 2.0])
     harness.compare(torch.nextafter(floats, floats + 1).to(harness.DEVICE), floats, **TOL)
+
+
+def test_samples_reach_tpu_with_their_layout():
+    base = torch.arange(20.0)
+    view = base[5:15].as_strided((2, 3), (1, 2), 6)
+    sample = harness.SampleInput(view, args=(base[::4], torch.float32, "cpu"))
+    moved = harness.to_device(sample)
+    for original, copied in zip((view, base[::4]), (moved.input, moved.args[0])):
+        assert copied.device == harness.DEVICE
+        assert (copied.shape, copied.stride(), copied.storage_offset()) == (
+            original.shape, original.stride(), original.storage_offset())
+        assert torch.equal(copied.cpu(), original)
+    # `as_strided` with an explicit offset addresses the storage, as on CPU.
+    assert torch.equal(moved.input.as_strided((2,), (3,), 0).cpu(), view.as_strided((2,), (3,), 0))
+    assert moved.args[1:] == (torch.float32, str(harness.DEVICE))
+
+
+def test_a_factory_sample_without_a_device_runs_on_tpu():
+    opinfo = harness.entries()["arange"]
+    result = harness.run_case(opinfo, harness.FLOAT32, "strict", harness.Selection(None, None))
+    assert result.checked > 20
+    with harness._default_device(harness.SampleInput(2)):
+        assert torch.arange(2).device == harness.DEVICE
+    with harness._default_device(harness.SampleInput(2, kwargs={"device": "cpu"})):
+        assert torch.arange(2).device.type == "cpu"

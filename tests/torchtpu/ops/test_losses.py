@@ -63,19 +63,23 @@ def test_cross_entropy(reduction):
         lambda a, b, reduction: F.smooth_l1_loss(a, b, reduction=reduction, beta=0.5),
         lambda a, b, reduction: F.smooth_l1_loss(a, b, reduction=reduction, beta=0.0),
         lambda a, b, reduction: F.huber_loss(a, b, reduction=reduction, delta=0.7),
+        # Its device-generic kernel writes into an `empty({0})` out= tensor, resized to the result.
+        F.soft_margin_loss,
     ],
 )
 def test_regression_losses(loss, reduction):
-    check(lambda a, b: loss(a, b, reduction=reduction), randn(4, 5), randn(4, 5))
+    a, b = randn(4, 5), randn(4, 5)
+    if loss is F.soft_margin_loss:  # a target of +-1, not differentiable
+        target = b.sign()
+        check(lambda a: loss(a, target.to(a.device), reduction=reduction), a)
+    else:
+        check(lambda a, b: loss(a, b, reduction=reduction), a, b)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_soft_margin_loss(reduction):
-    # Its device-generic kernel writes into an `empty({0})` out= tensor, resized to the result.
-    target = randn(4, 5).sign()
-    check(lambda a: F.soft_margin_loss(a, target.to(a.device), reduction=reduction), randn(4, 5))
-    check(lambda a: F.soft_margin_loss(a, torch.ones((), dtype=a.dtype, device=a.device), reduction=reduction),
-          randn(1)[0])
+def test_soft_margin_loss_of_0_dim_tensors(reduction):
+    x = torch.tensor(-0.75, dtype=torch.float64)
+    check(lambda a: F.soft_margin_loss(a, torch.ones((), dtype=a.dtype, device=a.device), reduction=reduction), x)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

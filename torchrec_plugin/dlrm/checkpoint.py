@@ -39,7 +39,9 @@ def restore(training: DLRMTraining, directory: str | Path | None) -> int:
     """Load the checkpoint in `directory` into `training`; returns its step."""
     path = Path(directory) / LINK_NAME if directory is not None else None
     if path is None or not path.exists():
-        raise FileNotFoundError(f"--resume: no checkpoint at {path} (it is written by a run with a checkpoint directory)")
+        raise FileNotFoundError(
+            f"--resume: no checkpoint at {path} (it is written by a run with a checkpoint directory)"
+        )
     state = _state(training, step=0, copy_values=False)
     sharded.load(state, path)
     sharded.load_sharded_state_dict(training.tables, state, prefix=SPARSE_PREFIX)

@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="last training step (default: the preset's)")
     parser.add_argument("--batch-size", type=int, help="samples per process and step (default: the preset's)")
     parser.add_argument("--mode", choices=["strict", "defer", "compiled"], default="defer")
+    parser.add_argument("--table-optimizer", choices=["adagrad", "rowwise_adagrad"], default="adagrad",
+                        help="the tables' fused optimizer")
     parser.add_argument("--precision", choices=["default", "high", "highest"], default="default",
                         help="tpu matmul precision (default: bf16 products, as a TPU computes them)")
     parser.add_argument("--sharding", choices=["direct", "planner"], default="direct",
@@ -37,12 +39,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=1, help="processes to spawn on this machine")
     parser.add_argument("--devices", type=int, default=1,
                         help="tpu devices per process (CPU stand-ins here; see launch.py before raising it)")
-    parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: a fifth of the run)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="steps between held-out evaluations (0: a fifth of the run)")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     parser.add_argument("--checkpoint-dir", type=Path)
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="steps between checkpoints (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    parser.add_argument("--data-dir", type=Path, help="Criteo data (TorchRec's TSV or NPY files) instead of the synthetic stream")
+    parser.add_argument("--data-dir", type=Path,
+                        help="Criteo data (TorchRec's TSV or NPY files) instead of the synthetic stream")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
@@ -73,7 +78,7 @@ def _job(args: argparse.Namespace) -> None:
     from torchrec_plugin.dlrm.model import build
     from torchrec_plugin.dlrm.train import TrainOptions, train
 
-    config = preset(args.size)
+    config = preset(args.size).with_table_optimizer(args.table_optimizer)
     if args.batch_size is not None:
         config = config.with_batch_size(args.batch_size)
     steps = args.steps or config.default_steps

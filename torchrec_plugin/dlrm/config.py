@@ -13,9 +13,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["MLPERF_MULTI_HOT_SIZES", "MLPERF_NUM_EMBEDDINGS", "PRESETS", "DLRMConfig", "preset"]
+__all__ = [
+    "MLPERF_MULTI_HOT_SIZES", "MLPERF_NUM_EMBEDDINGS", "PRESETS", "TABLE_OPTIMIZERS", "DLRMConfig", "preset",
+]
 
 NUM_DENSE_FEATURES = 13
+TABLE_OPTIMIZERS = ("adagrad", "rowwise_adagrad")
 
 MLPERF_NUM_EMBEDDINGS = (
     40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956, 405_282, 10,
@@ -35,7 +38,8 @@ class DLRMConfig:
     (one table per feature). `batch_size` is per process; `default_steps` is the length of a run.
     Tables and dense layers both train with Adagrad (the tables' fused in the backward), at their
     own learning rates: every weight's first Adagrad step has the size of the rate, which wide
-    dense layers tolerate only when it is small.
+    dense layers tolerate only when it is small. `table_optimizer`: "adagrad" (one accumulator
+    per weight, FBGEMM's EXACT_ADAGRAD) or "rowwise_adagrad" (one per row, EXACT_ROWWISE_ADAGRAD).
     """
 
     name: str
@@ -51,6 +55,7 @@ class DLRMConfig:
     embedding_learning_rate: float = 0.05
     dense_learning_rate: float = 0.05
     epsilon: float = 1e-8
+    table_optimizer: str = "adagrad"
 
     def __post_init__(self) -> None:
         if len(self.num_embeddings) != len(self.multi_hot_sizes):
@@ -68,6 +73,9 @@ class DLRMConfig:
             )
         if self.over_arch_layer_sizes[-1] != 1:
             raise ValueError(f"{self.name}: the over arch must end in one logit, got {self.over_arch_layer_sizes}")
+        if self.table_optimizer not in TABLE_OPTIMIZERS:
+            raise ValueError(f"{self.name}: table_optimizer must be one of {TABLE_OPTIMIZERS}, "
+                             f"got {self.table_optimizer!r}")
         if self.batch_size < 1:
             raise ValueError(f"{self.name}: batch_size must be positive, got {self.batch_size}")
 
@@ -86,6 +94,9 @@ class DLRMConfig:
 
     def with_batch_size(self, batch_size: int) -> DLRMConfig:
         return dataclasses.replace(self, batch_size=batch_size)
+
+    def with_table_optimizer(self, table_optimizer: str) -> DLRMConfig:
+        return dataclasses.replace(self, table_optimizer=table_optimizer)
 
 
 def _scaled(name: str, max_rows: int, hot_scale: float, **shape) -> DLRMConfig:

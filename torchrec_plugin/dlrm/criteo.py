@@ -117,5 +117,7 @@ def _read_days(directory: Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray
     tsv = sorted(p for p in directory.iterdir()
                  if p.is_file() and (re.fullmatch(r"day_\d+", p.name) or p.suffix in (".tsv", ".txt")))
     if not tsv:
-        raise FileNotFoundError(f"{directory}: no Criteo files (day_<i>_dense/sparse/labels.npy, day_<i>, *.tsv, *.txt)")
+        raise FileNotFoundError(
+            f"{directory}: no Criteo files (day_<i>_dense/sparse/labels.npy, day_<i>, *.tsv, *.txt)"
+        )
     return [read_tsv(path) for path in tsv]

@@ -2,11 +2,11 @@
 
 `build(config)` gives a `DLRMTraining`: TorchRec's unchanged `DLRM_DCN` whose
 `EmbeddingBagCollection` is a `SparseCoreEmbeddingBagCollection` (every table MOD-sharded over all
-SparseCores of every tpu device, Adagrad applied inside the backward), its dense layers on `tpu`
+SparseCores of every tpu device, (row-wise) Adagrad applied inside the backward), its dense layers on `tpu`
 with `torch.optim.Adagrad`, and the host preparation a prefetching loader runs ahead of each step.
 
 `reference(training)` builds the same model for plain TorchRec on CPU -- its own
-`EmbeddingBagCollection` with torch's Adagrad applied in the backward, the same dense layers and
+`EmbeddingBagCollection` with the same optimizer applied in the backward, the same dense layers and
 optimizer -- from the same initial weights: the numerical reference of the training job.
 """
 
@@ -23,11 +23,12 @@ from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SparseCoreBatch, SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingConfig, runtime_topology
-from sparsecore.optimizers import Adagrad
+from sparsecore.optimizers import Adagrad, RowWiseAdagrad
 from sparsecore.topology import Topology
 from torchrec_plugin.dlrm.config import DLRMConfig
 
@@ -35,6 +36,7 @@ __all__ = [
     "SPARSE_PREFIX",
     "DLRMTraining",
     "PreparedBatch",
+    "apply_table_optimizer",
     "build",
     "dense_optimizer",
     "dense_parameters",
@@ -112,7 +114,8 @@ def build(config: DLRMConfig, seed: int = 0) -> DLRMTraining:
     """The training model on `tpu`: tables initialised from `seed` on the device, dense layers
     from `torch.manual_seed(seed)`."""
     topology = runtime_topology()
-    optimizer = Adagrad(learning_rate=config.embedding_learning_rate, epsilon=config.epsilon)
+    spec = RowWiseAdagrad if config.table_optimizer == "rowwise_adagrad" else Adagrad
+    optimizer = spec(learning_rate=config.embedding_learning_rate, epsilon=config.epsilon)
     tables = SparseCoreEmbeddingBagCollection(
         sparsecore_tables(config, topology), batch_size=config.batch_size, optimizer=optimizer, topology=topology,
         seed=seed,
@@ -124,15 +127,21 @@ def build(config: DLRMConfig, seed: int = 0) -> DLRMTraining:
 
 def reference(training: DLRMTraining) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
     """Plain TorchRec on CPU with `training`'s current weights: `EmbeddingBagCollection` with
-    torch's Adagrad in the backward, the same dense layers, `torch.optim.Adagrad` for them."""
+    the table optimizer in the backward, the same dense layers, `torch.optim.Adagrad` for them."""
     config = training.config
     ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("cpu"))
     model = dlrm_dcn(config, ebc, torch.device("cpu"), seed=0)
     model.load_state_dict({key: value.detach().cpu() for key, value in training.model.state_dict().items()})
-    apply_optimizer_in_backward(
-        torch.optim.Adagrad, ebc.parameters(), {"lr": config.embedding_learning_rate, "eps": config.epsilon}
-    )
+    apply_table_optimizer(config, ebc)
     return model, dense_optimizer(config, dense_parameters(model).values())
+
+
+def apply_table_optimizer(config: DLRMConfig, module: nn.Module) -> None:
+    """Mark `module`'s tables for TorchRec's fused optimizer of `config` (applied in the
+    backward): torch's Adagrad, or TorchRec's RowWiseAdagrad."""
+    optimizer = TorchRecRowWiseAdagrad if config.table_optimizer == "rowwise_adagrad" else torch.optim.Adagrad
+    apply_optimizer_in_backward(optimizer, module.parameters(),
+                                {"lr": config.embedding_learning_rate, "eps": config.epsilon})
 
 
 def dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -1,8 +1,8 @@
 """The DLRM-DCN sharded by the plugin: TorchRec's planner and `DistributedModelParallel` on `tpu`.
 
 `build_planned(config)` builds the model on CPU (the same initial weights as the CPU reference
-and as `model.build` with the same seed), marks the tables for TorchRec's fused Adagrad with
-`apply_optimizer_in_backward`, asks `torchrec_plugin.planner` for a plan over the processes of
+and as `model.build` with the same seed), marks the tables for TorchRec's fused (row-wise) Adagrad
+with `apply_optimizer_in_backward`, asks `torchrec_plugin.planner` for a plan over the processes of
 the default group, and shards the model with `DistributedModelParallel` and the plugin's
 sharders: each table's shards are looked up and updated on the SparseCores of their device.
 
@@ -28,11 +28,17 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import torchrec_plugin
 from torchrec_plugin.dlrm.config import DLRMConfig
-from torchrec_plugin.dlrm.model import DLRMTraining, dense_optimizer, dense_parameters, dlrm_dcn, embedding_bag_configs
+from torchrec_plugin.dlrm.model import (
+    DLRMTraining,
+    apply_table_optimizer,
+    dense_optimizer,
+    dense_parameters,
+    dlrm_dcn,
+    embedding_bag_configs,
+)
 
 __all__ = ["SHARDING_TYPES", "build_planned"]
 
@@ -48,10 +54,7 @@ def build_planned(config: DLRMConfig, seed: int = 0, topology: str = "cpu") -> D
     group = dist.group.WORLD
     ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("cpu"))
     model = dlrm_dcn(config, ebc, torch.device("cpu"), seed)
-    apply_optimizer_in_backward(
-        torch.optim.Adagrad, model.sparse_arch.parameters(),
-        {"lr": config.embedding_learning_rate, "eps": config.epsilon},
-    )
+    apply_table_optimizer(config, model.sparse_arch)
     constraints = {table.name: ParameterConstraints(sharding_types=list(SHARDING_TYPES))
                    for table in embedding_bag_configs(config)}
     planner = torchrec_plugin.planner(

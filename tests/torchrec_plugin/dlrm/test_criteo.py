@@ -22,7 +22,8 @@ CONFIG = preset("tiny").with_batch_size(16)
 @pytest.fixture(scope="module")
 def npy_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("npy")
-    BinaryCriteoUtils.tsv_to_npys(str(DAY), *(str(directory / f"day_0_{p}.npy") for p in ("dense", "sparse", "labels")))
+    outputs = (str(directory / f"day_0_{part}.npy") for part in ("dense", "sparse", "labels"))
+    BinaryCriteoUtils.tsv_to_npys(str(DAY), *outputs)
     return directory
 
 
@@ -39,10 +40,10 @@ def test_batches_match_torchrec(npy_dir, tmp_path, layout):
         shutil.copy(DAY, tmp_path / "day_0")
     data = CriteoData(npy_dir if layout == "npy" else tmp_path, CONFIG)
     for stage, ours in (("val", data.train_batch(1)), ("test", data.held_out_batch(0))):
+        paths = {f"{part}_paths": [str(npy_dir / f"day_0_{part}.npy")] for part in ("dense", "sparse", "labels")}
         theirs = next(iter(InMemoryBinaryCriteoIterDataPipe(
-            stage=stage, dense_paths=[str(npy_dir / "day_0_dense.npy")], sparse_paths=[str(npy_dir / "day_0_sparse.npy")],
-            labels_paths=[str(npy_dir / "day_0_labels.npy")], batch_size=CONFIG.batch_size, rank=0, world_size=1,
-            hashes=list(CONFIG.num_embeddings),
+            stage=stage, batch_size=CONFIG.batch_size, rank=0, world_size=1, hashes=list(CONFIG.num_embeddings),
+            **paths,
         )))
         torch.testing.assert_close(ours.dense_features, theirs.dense_features, rtol=0, atol=0)
         torch.testing.assert_close(ours.labels, theirs.labels.to(torch.int64), rtol=0, atol=0)

@@ -181,6 +181,8 @@ def _run(
                 summary.evaluations.append(evaluate(forward, held_out, step))
             if progress is not None:
                 progress.write(_describe(summary.evaluations[-1]))
+            elif _is_first_process():
+                print(_describe(summary.evaluations[-1]), flush=True)
         if options.checkpoint_dir is not None and (
             (options.checkpoint_every and step % options.checkpoint_every == 0) or last
         ):
@@ -286,9 +288,13 @@ class _Timer:
 
 
 def _progress_bar(summary: Summary, options: TrainOptions) -> tqdm | None:
-    if not options.progress or (dist.is_initialized() and dist.get_rank() != 0):
+    if not options.progress or not _is_first_process():
         return None
     return tqdm(total=options.steps, initial=summary.start_step, unit="step", dynamic_ncols=True)
+
+
+def _is_first_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _describe(evaluation: Evaluation) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import subprocess
@@ -25,12 +26,13 @@ def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           text=True, env=full_env, timeout=300)
 
 
-def test_device_after_import_torch_alone():
+def test_device_after_import_torch_alone(tmp_path):
+    # Its own lock directory: this test process may already hold tpu:0.
     result = _run("""
         import torch
         x = torch.ones(2, device="tpu")
         print(torch.device("tpu"), x.device, torch.tpu.is_available(), type(x).__name__)
-    """)
+    """, env={"TORCHTPU_LOCK_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["tpu", "tpu:0", "True", "Tensor"]
 
@@ -128,6 +130,29 @@ def test_copy_both_ways_and_between_devices():
     assert torch.equal(t.cpu(), x)
     x.add_(1)  # the device copy must not alias host memory
     assert not torch.equal(t.cpu(), x)
+
+
+def test_module_to_moves_parameters_in_place():
+    """As with CUDA, `Module.to` keeps each Parameter object: tied weights stay tied and an
+    optimizer built before the move still steps the model's parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # an LM head tied to the input embedding
+    reference = copy.deepcopy(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.to("tpu:1")
+    assert list(model.parameters()) == params and model[1].weight is model[0].weight
+    assert params[0].device == torch.device("tpu:1")
+    ids = torch.tensor([1, 2, 3])
+    with torch.tpu.precision("highest"):
+        for m, opt, device in ((reference, torch.optim.SGD(reference.parameters(), lr=0.5), "cpu"),
+                               (model, optimizer, "tpu:1")):
+            m(ids.to(device)).logsumexp(-1).sum().backward()
+            opt.step()
+    torch.testing.assert_close(model[0].weight.detach().cpu(), reference[0].weight.detach())
+    model.cpu()
+    assert model[0].weight is params[0] and model[0].weight.device.type == "cpu"
 
 
 def test_save_and_load_with_and_without_map_location():

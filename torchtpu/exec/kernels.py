@@ -217,6 +217,7 @@ _MEMORY_KERNELS = {
     aten.set_.source_Tensor: memory.set_source_tensor,
     aten.set_.default: memory.set_empty,
     aten._local_scalar_dense.default: memory.local_scalar_dense,
+    aten._has_compatible_shallow_copy_type.default: memory.has_compatible_shallow_copy_type,
 }
 
 

@@ -71,6 +71,10 @@ def _is_array(value) -> bool:
 _read_programs: dict[tuple, object] = {}
 
 
+def clear_cache() -> None:
+    _read_programs.clear()
+
+
 def to_array(t: torch.Tensor):
     """The logical value of a `tpu` tensor as a flat, row-major `jax.Array` on its device.
 
@@ -320,3 +324,11 @@ def set_source_tensor(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 def set_empty(t: torch.Tensor) -> torch.Tensor:
     buffer = storage.DeviceBuffer(t.dtype, 0, t.device.index)
     return storage.attach(t, buffer, (0,), (1,))
+
+
+def has_compatible_shallow_copy_type(t: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether `t.data = source` may swap `t`'s contents in place: yes between strided `tpu` and
+    CPU tensors, as between CPU and CUDA. `Module.to("tpu")` then moves each Parameter in place, so
+    tied weights stay tied and optimizers keep their references (PyTorch's own rule only admits
+    the built-in backends, and a PrivateUse1 backend answers for itself)."""
+    return t.layout == torch.strided and source.layout == torch.strided

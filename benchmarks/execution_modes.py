@@ -89,7 +89,8 @@ def _jax_step(model: nn.Module, shape) -> Callable[[], float]:
     y = jnp.asarray(torch.randint(0, CLASSES, (shape[0],), generator=g).numpy())
 
     def linear(p, name, v):
-        return v @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+        out = v @ p[f"{name}.weight"].T
+        return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
 
     def layer_norm(p, name, v):
         mean = v.mean(-1, keepdims=True)

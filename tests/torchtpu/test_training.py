@@ -25,11 +25,15 @@ class MLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
+    """Conv, batchnorm, pooling. The convolutions have no bias, as is usual before batchnorm: a bias
+    there has a gradient of zero up to rounding, so Adam would steer it by the sign of rounding noise
+    and make it differ between any two devices."""
+
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.AvgPool2d(2),
         )
         self.head = nn.Linear(16 * 4 * 4, 10)
 
@@ -38,13 +42,15 @@ class SmallCNN(nn.Module):
 
 
 class PreLNBlock(nn.Module):
-    """Pre-LN transformer block: LayerNorm, softmax attention, GELU MLP (dropout off)."""
+    """Pre-LN transformer block: LayerNorm, softmax attention, GELU MLP (dropout off). The query/key/value
+    projection has no bias (as in LLaMA): softmax ignores a key bias, so its gradient is rounding noise
+    that Adam would amplify into different parameters on any two devices."""
 
     def __init__(self, dim: int = 32, heads: int = 4) -> None:
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))

@@ -50,5 +50,5 @@ def test_two_processes_train(tmp_path, sharding):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 process(es) x batch 128: steps 1-60" in done.stdout
-    auc = float(re.search(r"AUC (\d\.\d+)", done.stdout).group(1))
+    auc = float(re.search(r"held-out at step 60: AUC (\d\.\d+)", done.stdout).group(1))
     assert auc > 0.7, done.stdout

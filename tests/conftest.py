@@ -5,9 +5,25 @@ count must be fixed before the JAX runtime starts, so it is set here, before any
 Each test session gets its own device-lock directory: concurrent test sessions behave as separate
 hosts, while processes spawned by one session still contend for its devices as they would on a TPU.
 """
+import gc
 import os
+import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TORCHTPU_NUM_DEVICES", "4")
 os.environ.setdefault("TORCHTPU_LOCK_DIR", tempfile.mkdtemp(prefix="torchtpu-locks-"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop the programs a test module compiled once it is done. One process runs the whole suite;
+    without this it would keep every XLA executable of every module alive (their memory and their
+    code mappings, which the kernel caps per process)."""
+    yield
+    torchtpu = sys.modules.get("torchtpu")
+    if torchtpu is not None:
+        torchtpu.clear_caches()
+        gc.collect()

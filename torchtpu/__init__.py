@@ -42,6 +42,20 @@ def reset_metrics() -> None:
     _counters.reset()
 
 
+def clear_caches() -> None:
+    """Drop every compiled program the executors hold -- strict per-op programs, fused defer
+    programs, strided-read programs -- and JAX's own caches, freeing their memory; later calls
+    compile again. Programs of live `torch.compile` graphs stay with those graphs."""
+    import jax
+
+    from torchtpu.exec import deferred, eager, memory
+
+    eager.clear_cache()
+    deferred.clear_cache()
+    memory.clear_cache()
+    jax.clear_caches()
+
+
 __all__ = [
     "set_eager_mode",
     "eager_mode",
@@ -50,6 +64,7 @@ __all__ = [
     "matmul_precision",
     "metrics",
     "reset_metrics",
+    "clear_caches",
     "bounded",
     "Buckets",
 ]

@@ -176,3 +176,18 @@ def test_recompile_log_names_the_argument_that_changed(defer, monkeypatch, capfd
         (torch.ones(n, 3, device="tpu") * 2).sum().item()
     err = capfd.readouterr().err
     assert "defer: compiling a new graph" in err and "has shape (6, 3) instead of (4, 3)" in err
+
+
+@pytest.mark.parametrize("mode, counter", [("strict", "eager_programs"), ("defer", "defer_compiles")])
+def test_clear_caches_drops_compiled_programs(mode, counter):
+    x = torch.arange(5.0, device="tpu")
+    with torchtpu.eager_mode(mode):
+        def run() -> list[float]:
+            return (x.exp() * 3).cpu().tolist()
+
+        expected = run()
+        torchtpu.reset_metrics()
+        assert run() == expected and counter not in torchtpu.metrics()  # served from the cache
+        torchtpu.clear_caches()
+        assert run() == expected and torchtpu.metrics()[counter] >= 1  # compiled again
+    torchtpu.reset_metrics()

@@ -90,6 +90,11 @@ _executables: dict[tuple, Callable[..., Any]] = {}
 _recent_keys: list[tuple] = []
 
 
+def clear_cache() -> None:
+    """Drop the fused programs (pending work stays pending and compiles again when it runs)."""
+    _executables.clear()
+
+
 def pending_ops() -> int:
     return len(_state.graph.nodes)
 

@@ -16,7 +16,6 @@ from typing import Callable
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ["TORCHTPU_STRICT_OPS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -125,6 +124,14 @@ TRAINED = ("bert", "gpt2", "llama")
 # Every listed architecture is checked with the attention implementation a user gets by default;
 # these also with the explicit "eager" implementation (plain matmul + softmax attention).
 EAGER_ATTENTION = ("bert", "gpt2", "llama", "t5")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _strict_ops():
+    """A CPU fallback fails these tests (and only these: the setting ends with the module)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHTPU_STRICT_OPS", "1")
+        yield
 
 
 def _model(arch: Architecture, attention: str | None) -> torch.nn.Module:

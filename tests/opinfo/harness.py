@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-os.environ["TORCHTPU_STRICT_OPS"] = "1"
-
-import torch  # noqa: E402
-import torchtpu  # noqa: E402
-from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride  # noqa: E402
-from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
-from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo, SampleInput  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
-from torchtpu.exec import modes  # noqa: E402
-from torchtpu.exec.kernels import StrictOpsError  # noqa: E402
+import torch
+import torchtpu
+from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo, SampleInput
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torchtpu.exec import modes
+from torchtpu.exec.kernels import StrictOpsError
 
 DEVICE_TYPE = "tpu"
 # The device every case runs on; a sweep worker takes its own (`use_device`), as a process owns a
@@ -407,6 +405,21 @@ class CaseResult:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
+@contextlib.contextmanager
+def strict_ops() -> Iterator[None]:
+    """`TORCHTPU_STRICT_OPS=1` while a case runs (and only then: later tests in the same process
+    may exercise the CPU fallback)."""
+    previous = os.environ.get("TORCHTPU_STRICT_OPS")
+    os.environ["TORCHTPU_STRICT_OPS"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TORCHTPU_STRICT_OPS"]
+        else:
+            os.environ["TORCHTPU_STRICT_OPS"] = previous
+
+
 def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL_SAMPLES) -> CaseResult:
     """Run the selected samples of `opinfo` for `check` in eager `mode`; raise on the first
     sample whose tpu result differs from CPU's (or that fails on tpu only)."""
@@ -429,7 +442,7 @@ def run_case(opinfo: OpInfo, check: Check, mode: str, selection: Selection = ALL
             continue
         comparison = Comparison(override, undefined is None, f"{name} [{check.name}, {mode}] {describe(index, sample)}")
         before = torchtpu.metrics().get("decomposed_ops", {})
-        with torchtpu.eager_mode(mode), torch.tpu.precision("highest"):
+        with torchtpu.eager_mode(mode), torch.tpu.precision("highest"), strict_ops():
             reason = runner(opinfo, sample, to_device(sample, placement), comparison,
                             zlib.crc32(f"{name}/{index}".encode()))
         if reason is not None:

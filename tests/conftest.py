@@ -2,8 +2,9 @@
 
 The CPU stand-in for TPU chips is JAX's CPU platform with several virtual devices. The device
 count must be fixed before the JAX runtime starts, so it is set here, before any test imports jax.
-Each test session gets its own device-lock directory: concurrent test sessions behave as separate
-hosts, while processes spawned by one session still contend for its devices as they would on a TPU.
+Each test session (and each pytest-xdist worker) gets its own device-lock directory: concurrent
+sessions behave as separate hosts, while processes spawned by one session still contend for its
+devices as they would on a TPU.
 """
 import gc
 import os
@@ -14,7 +15,11 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TORCHTPU_NUM_DEVICES", "4")
-os.environ.setdefault("TORCHTPU_LOCK_DIR", tempfile.mkdtemp(prefix="torchtpu-locks-"))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Each pytest-xdist worker is a host of its own (it holds its devices for the whole run).
+    os.environ["TORCHTPU_LOCK_DIR"] = tempfile.mkdtemp(prefix=f"torchtpu-locks-{os.environ['PYTEST_XDIST_WORKER']}-")
+else:
+    os.environ.setdefault("TORCHTPU_LOCK_DIR", tempfile.mkdtemp(prefix="torchtpu-locks-"))
 
 
 @pytest.fixture(autouse=True, scope="module")

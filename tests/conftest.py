@@ -24,9 +24,10 @@ else:
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop the programs a test module compiled once it is done. One process runs the whole suite;
-    without this it would keep every XLA executable of every module alive (their memory and their
-    code mappings, which the kernel caps per process)."""
+    """Drop the programs a test module compiled once it is done. One process runs many modules;
+    without this it would keep every XLA executable of all of them alive (their memory and their
+    code mappings, which the kernel caps per process: the serial suite once segfaulted in an XLA
+    compile near its end)."""
     yield
     torchtpu = sys.modules.get("torchtpu")
     if torchtpu is not None:

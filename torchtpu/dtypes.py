@@ -18,6 +18,8 @@ _TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.int64: np.dtype(np.int64),
     torch.uint8: np.dtype(np.uint8),
     torch.bool: np.dtype(np.bool_),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
 }
 _FROM_NUMPY: dict[np.dtype, torch.dtype] = {v: k for k, v in _TO_NUMPY.items()}
 

@@ -132,6 +132,7 @@ _DL_CODES = {
     torch.float32: (2, 32), torch.float64: (2, 64), torch.float16: (2, 16),
     torch.bfloat16: (4, 16), torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32),
     torch.int64: (0, 64), torch.uint8: (1, 8), torch.bool: (6, 8),
+    torch.complex64: (5, 64), torch.complex128: (5, 128),
 }
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object

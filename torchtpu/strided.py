@@ -86,22 +86,42 @@ def _indices(geometry: Geometry):
     return index
 
 
-def reinterpret(flat, dtype):
-    """View a flat buffer as elements of another dtype (`Tensor.view(dtype)`)."""
+def bitcast(x, dtype):
+    """Reinterpret the bytes of `x`'s last dim as elements of `dtype` (`Tensor.view(dtype)`): the
+    last dim shrinks or grows by the ratio of the item sizes. Bool travels as uint8; a complex
+    value is its (real, imaginary) pair of floats, as in memory."""
     dtype = np.dtype(dtype)
-    if flat.dtype == dtype:
-        return flat
-    src = np.uint8 if flat.dtype == np.bool_ else flat.dtype
-    dst = np.uint8 if dtype == np.bool_ else dtype
-    flat = flat.astype(np.uint8) if flat.dtype == np.bool_ else flat
-    a, b = np.dtype(src).itemsize, np.dtype(dst).itemsize
-    if a == b:
-        out = lax.bitcast_convert_type(flat, dst)
-    elif a > b:
-        out = lax.bitcast_convert_type(flat, dst).reshape(-1)
+    if x.dtype == dtype:
+        return x
+    if x.dtype.kind == "c":
+        parts = _complex_parts(x.dtype)
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).reshape(*x.shape[:-1], -1)
+        return bitcast(x, dtype) if parts != dtype else x
+    if dtype.kind == "c":
+        pairs = bitcast(x, _complex_parts(dtype))
+        pairs = pairs.reshape(*pairs.shape[:-1], -1, 2)
+        return lax.complex(pairs[..., 0], pairs[..., 1])
+    src = np.dtype(np.uint8) if x.dtype == np.bool_ else x.dtype
+    dst = np.dtype(np.uint8) if dtype == np.bool_ else dtype
+    x = x.astype(np.uint8) if x.dtype == np.bool_ else x
+    if src.itemsize == dst.itemsize:
+        out = lax.bitcast_convert_type(x, dst)
+    elif src.itemsize > dst.itemsize:
+        out = lax.bitcast_convert_type(x, dst).reshape(*x.shape[:-1], -1)
     else:
-        out = lax.bitcast_convert_type(flat.reshape(-1, b // a), dst)
+        out = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, dst.itemsize // src.itemsize), dst)
     return out.astype(np.bool_) if dtype == np.bool_ else out
+
+
+def _complex_parts(dtype: np.dtype) -> np.dtype:
+    """The float dtype of a complex dtype's real and imaginary parts."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.complex64 else np.dtype(np.float64)
+
+
+def reinterpret(flat, dtype):
+    """View a flat buffer as elements of another dtype (a tensor viewing its storage with
+    another dtype: `Tensor.view(dtype)`, `view_as_real`)."""
+    return bitcast(flat, dtype)
 
 
 def read(flat, geometry: Geometry):

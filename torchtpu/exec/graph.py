@@ -158,6 +158,7 @@ def interpret(
                 values = sig.normalize(tuple(args), dict(kwargs))
                 meta_args = sig.normalize(tuple(_meta(node.args)), dict(_meta(node.kwargs)))
                 meta_out = node.meta.get("val")
+                registry.check_complex(target, meta_args, meta_out)
                 if padding is not None:
                     meta_args, meta_out = padding.concrete(meta_args), padding.concrete(meta_out)
                 rng = jax.random.fold_in(rng_base, position) if lowering.random else None

@@ -203,6 +203,8 @@ _VIEW_OPS = (
     aten.as_strided_.default,
     aten._reshape_alias.default,
     aten.unfold.default,
+    aten.view_as_real.default,
+    aten.view_as_complex.default,
 )
 
 _MEMORY_KERNELS = {

@@ -90,13 +90,16 @@ def to_array(t: torch.Tensor):
     if value is None:
         return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
     geometry = strided.Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel):
+    conj, neg = t.is_conj(), t.is_neg()
+    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel) and not (conj or neg):
         return value
-    key = (geometry, t.dtype, buffer.dtype, buffer.numel)
+    key = (geometry, t.dtype, buffer.dtype, buffer.numel, conj, neg)
     read = _read_programs.get(key)
     if read is None:
         def read_fn(flat):
-            return strided.read(strided.reinterpret(flat, np_dtype), geometry).reshape(-1)
+            out = strided.read(strided.reinterpret(flat, np_dtype), geometry).reshape(-1)
+            out = out.conj() if conj else out
+            return -out if neg else out
 
         read = _read_programs[key] = jax.jit(read_fn)
     return read(value)
@@ -126,7 +129,7 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous()
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(dtypes.to_jax(torch.bfloat16))
     return t.numpy()
@@ -252,10 +255,12 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
 
 
 def _fills_whole(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """dst is contiguous over all of its storage and src has its shape: the copy replaces it."""
+    """dst is contiguous over all of its storage, with no math bits, and src has its shape: the
+    copy replaces it."""
     buffer = storage.buffer_of(dst)
     return (
         dst.shape == src.shape
+        and not (dst.is_conj() or dst.is_neg())
         and dst.dtype == buffer.dtype
         and dst.storage_offset() == 0
         and dst.is_contiguous()

@@ -46,6 +46,11 @@ class TensorRef(NamedTuple):
     dtype: torch.dtype
     sizes: tuple[int, ...]
     geometry: strided.Geometry | None  # None: contiguous over its whole storage, same dtype
+    # PyTorch's lazy math bits (`x.conj()`, the imaginary part of one): the tensor's value is
+    # its memory conjugated / negated. Only the ops PyTorch lets see them (copies, matmuls,
+    # views) get such tensors; reads and writes resolve them.
+    conj: bool = False
+    neg: bool = False
 
 
 class HostRef(NamedTuple):
@@ -137,11 +142,12 @@ class Inputs:
             self.storages.append(StorageSpec(buffer.dtype, buffer.numel, buffer.value is not None, buffer.sharded))
         sizes = tuple(t.shape)
         dtype = t.dtype
+        conj, neg = t.is_conj(), t.is_neg()
         if dtype == buffer.dtype and t.storage_offset() == 0 and t.is_contiguous() and (
             math.prod(sizes) == buffer.numel
         ):
-            return TensorRef(index, dtype, sizes, None)
-        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()))
+            return TensorRef(index, dtype, sizes, None, conj, neg)
+        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()), conj, neg)
 
     def value(self, v) -> ScalarRef:
         self.dynamic.append(v)
@@ -445,11 +451,21 @@ def _check_shape(value, sizes) -> None:
         )
 
 
+def _math_bits(value, ref: TensorRef):
+    """`value` conjugated and negated as `ref`'s math bits say (each is its own inverse, so this
+    maps memory to value and value to memory alike)."""
+    import jax.numpy as jnp
+
+    if ref.conj:
+        value = jnp.conj(value)
+    return -value if ref.neg else value
+
+
 def read_tensor(flat, ref: TensorRef):
     if ref.geometry is None:
-        return flat.reshape(ref.sizes)
+        return _math_bits(flat.reshape(ref.sizes), ref)
     flat = strided.reinterpret(flat, dtypes.to_jax(ref.dtype))
-    return strided.read(flat, ref.geometry)
+    return _math_bits(strided.read(flat, ref.geometry), ref)
 
 
 def write_tensor(flat, ref: TensorRef, value):
@@ -457,6 +473,7 @@ def write_tensor(flat, ref: TensorRef, value):
 
     value = jnp.asarray(value)
     _check_shape(value, ref.sizes)
+    value = _math_bits(value.astype(dtypes.to_jax(ref.dtype)), ref)
     if ref.geometry is None:
         return value.astype(flat.dtype).reshape(-1)
     dtype = dtypes.to_jax(ref.dtype)
@@ -488,6 +505,7 @@ def build(call: Call) -> Program:
     lowering = registry.get(functional) if functional is not None else None
     if lowering is None:
         raise NoLowering(str(op))
+    registry.check_complex(functional, meta_args, meta_out)
     if functional is op:
         fn_meta_args, fn_meta_out = meta_args, meta_out
         fsig = sig

@@ -3,6 +3,7 @@
 from torchtpu.ops import (  # noqa: F401
     activations,
     comparison,
+    complex,
     conv,
     creation,
     data_dependent,

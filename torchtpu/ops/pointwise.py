@@ -219,6 +219,10 @@ def absolute(ctx, x):
 def sign(ctx, x):
     if x.dtype == jnp.bool_:
         return x
+    if jnp.iscomplexobj(x):
+        # sgn: x / |x|, and 0 at 0.
+        magnitude = jnp.abs(x)
+        return jnp.where(magnitude == 0, jnp.zeros_like(x), x / jnp.where(magnitude == 0, 1, magnitude))
     # (0 < x) - (x < 0): NaN has sign 0, as in PyTorch.
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
@@ -301,8 +305,10 @@ def sinc(ctx, x):
     return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(scaled) / scaled)
 
 
-@unary(aten.angle.default)
+@pointwise(aten.angle.default, operands=("self",), promotion=INT_TO_FLOAT, keep_result_dtype=True)
 def angle(ctx, x):
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x).astype(ctx.out_dtype())
     # The argument of a real number: pi for negatives, 0 otherwise, NaN kept.
     pi = jnp.asarray(np.pi, x.dtype)
     return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, pi, jnp.zeros_like(x)))

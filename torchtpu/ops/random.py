@@ -37,8 +37,11 @@ def _check_generator(ctx, generator) -> None:
 
 
 def _sampling_dtype(ctx) -> np.dtype:
-    """Continuous draws are made in opmath, and in float32 for integer outputs (`geometric_`)."""
+    """Continuous draws are made in opmath, and in float32 for integer outputs (`geometric_`);
+    complex normal draws in the complex dtype."""
     out = ctx.out_dtype()
+    if jnp.issubdtype(out, jnp.complexfloating):
+        return np.dtype(out)
     return opmath(out) if jnp.issubdtype(out, jnp.floating) else np.dtype(np.float32)
 
 
@@ -59,8 +62,13 @@ def _uniform(ctx, low=0.0, high=1.0):
 
 
 def _normal(ctx, mean=0.0, std=1.0):
+    """N(mean, std). A complex draw is ATen's normal of its (real, imaginary) pair with std
+    std/sqrt(2) and `mean` added to both parts (jax's complex normal: each part has variance 1/2)."""
     dtype = _sampling_dtype(ctx)
     z = jax.random.normal(ctx.rng_key(), ctx.out_shape(), dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        mean = _param(mean, dtype)
+        return lax.complex(jnp.real(mean), jnp.real(mean)) + _param(std, dtype) * z
     return _param(mean, dtype) + _param(std, dtype) * z
 
 

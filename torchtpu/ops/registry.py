@@ -85,6 +85,42 @@ def data_dependent_ops() -> dict[OpOverload, Callable[..., Any]]:
     return dict(_DATA_DEPENDENT)
 
 
+class ComplexNotSupported(TypeError):
+    """A complex tensor reached a lowering not verified for complex dtypes."""
+
+
+_COMPLEX: set[OpOverload] = set()
+
+
+def allow_complex(*ops: OpOverload) -> None:
+    """Declare that the lowerings of `ops` compute PyTorch's complex results (checked against
+    CPU in the tests); any other lowering refuses complex tensors (`check_complex`)."""
+    for op in ops:
+        if not isinstance(op, OpOverload):
+            raise TypeError(f"allow_complex() takes OpOverloads, got {op!r}")
+        _COMPLEX.add(op)
+
+
+def check_complex(op: OpOverload, meta_args: Sequence[Any], meta_out: Any) -> None:
+    """Raise `ComplexNotSupported`, naming the op and dtype, if a complex tensor is among the
+    call's arguments or outputs and `op`'s lowering is not declared complex-capable: jnp accepts
+    complex numbers in many functions whose meaning for them differs from PyTorch's (ordering,
+    rounding), so an unverified lowering must not run on them."""
+    if op in _COMPLEX:
+        return
+    for value in _tensors(meta_args, meta_out):
+        if value.dtype.is_complex:
+            raise ComplexNotSupported(f"{op} does not support {value.dtype} tensors on tpu")
+
+
+def _tensors(*values: Any):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(*value)
+
+
 def get(op: OpOverload) -> Lowering | None:
     return _LOWERINGS.get(op)
 

@@ -167,18 +167,20 @@ def identity(ctx, x):
 
 @registry.register(aten.view_copy.dtype)
 def view_dtype(ctx, x, dtype):
-    """Reinterpret the bytes of the last dim (`Tensor.view(dtype)`); bool travels as uint8."""
-    target = np.dtype(ctx.out_dtype())
-    bits = np.dtype(np.uint8) if target == np.bool_ else target
-    x = x.astype(np.uint8) if x.dtype == np.bool_ else x
-    if x.dtype.itemsize > bits.itemsize:
-        out = lax.bitcast_convert_type(x, bits).reshape(ctx.out_shape())
-    elif x.dtype.itemsize < bits.itemsize:
-        ratio = bits.itemsize // x.dtype.itemsize
-        out = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, ratio), bits)
-    else:
-        out = lax.bitcast_convert_type(x, bits)
-    return out.astype(target)
+    """Reinterpret the bytes of the last dim (`Tensor.view(dtype)`)."""
+    return strided.bitcast(x, ctx.out_dtype()).reshape(ctx.out_shape())
+
+
+@registry.register(aten.view_as_real.default, aten.view_as_real_copy.default)
+def view_as_real(ctx, x):
+    """A complex tensor's (real, imaginary) pairs as a last dim of 2 floats."""
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@registry.register(aten.view_as_complex.default, aten.view_as_complex_copy.default)
+def view_as_complex(ctx, x):
+    """A last dim of 2 floats as complex numbers."""
+    return lax.complex(x[..., 0], x[..., 1])
 
 
 @registry.register(aten.permute.default, aten.permute_copy.default)

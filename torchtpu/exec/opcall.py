@@ -61,7 +61,7 @@ class HostRef(NamedTuple):
     wrapped: bool
 
 
-_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
 class ScalarRef(NamedTuple):

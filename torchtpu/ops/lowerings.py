@@ -10,6 +10,7 @@ from torchtpu.ops import (  # noqa: F401
     distance,
     foreach,
     embedding,
+    fft,
     indexing,
     linalg,
     losses,

@@ -1,4 +1,4 @@
-"""Factory ops: arange, full, eye, linspace, logspace, tril/triu indices (device given by argument).
+"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), eye, linspace, logspace, tril/triu indices (device given by argument).
 
 The output shape and dtype come from PyTorch's meta kernels (`ctx.out_shape()`,
 `ctx.out_dtype()`), which also do the dtype inference from Scalar types and the argument
@@ -58,6 +58,13 @@ def full(ctx, size, fill_value, *, dtype=None, layout=None, device=None, pin_mem
 @registry.register(aten.full_like.default, dynamic_scalars=True)
 def full_like(ctx, x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return jnp.full(ctx.out_shape(), fill_value, ctx.out_dtype())
+
+
+@registry.register(aten._efficientzerotensor.default)
+def efficient_zero_tensor(ctx, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """The zeros autograd uses for a gradient known to be zero (complex `sgn`'s at 0, say): on
+    CPU a storage-less ZeroTensor; here plain zeros, which every op reads correctly."""
+    return jnp.zeros(ctx.out_shape(), ctx.out_dtype())
 
 
 @registry.register(aten.scalar_tensor.default, dynamic_scalars=True)

@@ -20,7 +20,7 @@ import torch
 from jax import lax
 
 from torchtpu.ops import registry
-from torchtpu.ops.promotion import BOOL_TO_LONG, DEFAULT, INT_TO_FLOAT, NO_OPMATH, pointwise
+from torchtpu.ops.promotion import BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH, pointwise
 from torchtpu.ops.schema import signature
 
 aten = torch.ops.aten
@@ -210,7 +210,7 @@ def neg(ctx, x):
     return -x
 
 
-@unary(aten.abs.default, promotion=DEFAULT)
+@unary(aten.abs.default, promotion=COMPLEX_TO_FLOAT)
 def absolute(ctx, x):
     return x if x.dtype == jnp.bool_ else jnp.abs(x)
 

@@ -63,7 +63,8 @@ GRAD = Check("grad", "grad", torch.float32)
 INPLACE = Check("inplace", "inplace", torch.float32)
 CHECKS: dict[str, Check] = {c.name: c for c in (FLOAT32, BFLOAT16, INT64, GRAD, INPLACE)}
 
-# Base tolerances by the dtype of the compared value; integer and bool values compare exactly.
+# Base tolerances by the dtype of the compared value (a complex value by its components' dtype);
+# integer and bool values compare exactly.
 # float32: XLA's transcendental approximations and reduction orders differ from ATen's by a few
 # ulps, which composite ops accumulate. bfloat16: 4 ulps (PyTorch's own bf16 rtol), with an
 # absolute floor for results that cancel to near zero. float16 and float64: PyTorch's defaults.
@@ -115,8 +116,10 @@ def tolerance_override(opinfo: OpInfo, dtype: torch.dtype) -> tuple[float, float
 
 
 def tolerance(value_dtype: torch.dtype, override: tuple[float, float]) -> tuple[float, float]:
-    """(rtol, atol) for comparing values of `value_dtype`: its base raised by `override`;
-    integers and bools exactly."""
+    """(rtol, atol) for comparing values of `value_dtype`: its base (a complex dtype's is its
+    components') raised by `override`; integers and bools exactly."""
+    if value_dtype.is_complex:
+        value_dtype = value_dtype.to_real()
     if not value_dtype.is_floating_point:
         return 0.0, 0.0
     rtol, atol = BASE_TOLERANCE[value_dtype]

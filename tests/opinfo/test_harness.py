@@ -78,6 +78,7 @@ def test_tolerance_follows_the_compared_values_dtype():
     assert harness.tolerance(torch.int64, (0.1, 0.1)) == (0.0, 0.0)
     assert harness.tolerance(torch.float32, (0.0, 0.0)) == harness.BASE_TOLERANCE[torch.float32]
     assert harness.tolerance(torch.float32, (1e-2, 0.0)) == (1e-2, harness.BASE_TOLERANCE[torch.float32][1])
+    assert harness.tolerance(torch.complex64, (0.0, 0.0)) == harness.BASE_TOLERANCE[torch.float32]
     ints = torch.tensor([1, 2])
     with pytest.raises(harness.Mismatch, match="not equal"):
         harness.compare(ints.to(harness.DEVICE) + 1, ints, **TOL)

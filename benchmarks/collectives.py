@@ -1,13 +1,17 @@
 """Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
 
-    python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters 10]
+    python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters 10] [--trials 7]
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
-For each collective and size it times blocks of `iters` calls, alternating between gloo on CPU
-tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors in the same run,
-and reports the median block. Bus bandwidth follows nccl-tests: all_reduce moves
-2(n-1)/n of the buffer per rank, all_to_all (n-1)/n. The goal is tpu_dist >= 0.9x gloo: the
-backend itself should add next to nothing to the transport it runs on.
+Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
+tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors. After a warm-up
+of both, each trial times one block of `iters` calls of each side back to back, the side that
+goes first alternating between trials, so that the shared machine's load falls on both alike;
+every block starts and ends with the same gloo barrier. Reported: the median block of each side
+as bus bandwidth, and the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
+bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
+(n-1)/n. The goal is tpu_dist >= 0.9x gloo: the backend itself should add next to nothing to
+the transport it runs on.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ import torch.multiprocessing as mp
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
 
 
-def _time_block(collective, tensors, group, iters: int) -> float:
+def _time_block(collective, tensors, group, barrier_group, iters: int) -> float:
     import torch.distributed as dist
 
-    dist.barrier(group=group)
+    dist.barrier(group=barrier_group)
     start = time.perf_counter()
     for _ in range(iters):
         collective(*tensors, group=group)
-    dist.barrier(group=group)
+    dist.barrier(group=barrier_group)
     return (time.perf_counter() - start) / iters
 
 
@@ -50,26 +54,34 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
     dist.init_process_group("cpu:gloo,tpu:tpu_dist")
     gloo = dist.new_group(backend="gloo")
     device = torch.device("tpu", rank)
+    load_before = os.getloadavg()
     rows = []
     for name, collective in (("all_reduce", dist.all_reduce), ("all_to_all_single", dist.all_to_all_single)):
         for mib in sizes_mib:
             numel = mib * 2**20 // 4 // world * world
             cpu = [torch.ones(numel)] if name == "all_reduce" else [torch.empty(numel), torch.ones(numel)]
             tpu = [t.to(device) for t in cpu]
-            for group, tensors in ((gloo, cpu), (dist.group.WORLD, tpu)):
-                _time_block(collective, tensors, group, 2)  # warm-up: connections, buffers
-            gloo_times, tpu_times = [], []
-            for _ in range(trials):
-                gloo_times.append(_time_block(collective, cpu, gloo, iters))
-                tpu_times.append(_time_block(collective, tpu, dist.group.WORLD, iters))
-            nbytes = numel * 4
-            bus = BUS_FACTOR[name](world) * nbytes / 1e9
-            rows.append((name, mib, bus / statistics.median(gloo_times), bus / statistics.median(tpu_times)))
+            sides = {"gloo": (cpu, gloo), "tpu_dist": (tpu, dist.group.WORLD)}
+            for tensors, group in sides.values():
+                _time_block(collective, tensors, group, gloo, 3)  # warm-up: connections, buffers, programs
+            times: dict[str, list[float]] = {"gloo": [], "tpu_dist": []}
+            for trial in range(trials):
+                order = ("gloo", "tpu_dist") if trial % 2 == 0 else ("tpu_dist", "gloo")
+                for side in order:
+                    tensors, group = sides[side]
+                    times[side].append(_time_block(collective, tensors, group, gloo, iters))
+            bus = BUS_FACTOR[name](world) * numel * 4 / 1e9
+            ratio = statistics.median(g / t for g, t in zip(times["gloo"], times["tpu_dist"]))
+            rows.append((name, mib, bus / statistics.median(times["gloo"]),
+                         bus / statistics.median(times["tpu_dist"]), ratio))
     if rank == 0:
-        print(f"world size {world}; median of {trials} blocks of {iters} calls; bus bandwidth in GB/s")
+        load_after = os.getloadavg()
+        print(f"world size {world}; {trials} trials of {iters} calls per side; bus bandwidth in GB/s "
+              f"(median block); ratio = median over trials of tpu_dist / gloo")
+        print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
         print(f"{'collective':<18} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
-        for name, mib, gloo_bw, tpu_bw in rows:
-            print(f"{name:<18} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {tpu_bw / gloo_bw:>7.2f}")
+        for name, mib, gloo_bw, tpu_bw, ratio in rows:
+            print(f"{name:<18} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
     dist.destroy_process_group()
 
 
@@ -78,7 +90,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=7)
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

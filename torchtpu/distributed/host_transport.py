@@ -1,20 +1,30 @@
 """The host transport: collectives on `tpu` tensors run by gloo over host buffers.
 
 This is the transport of the CPU stand-in (and of point-to-point traffic on TPU). Each call reads
-its tpu inputs as host tensors, launches gloo on them and, when the work is waited on, moves
-gloo's results into the tpu outputs. Where device memory is host memory (JAX's CPU platform) no
-byte is copied on our side: an input is a view of its device buffer, and a result buffer becomes
-the output's device buffer (`memory.move_from_host`). Two exceptions copy once: a tensor that
-gloo updates in place (all_reduce) gets a private copy, since device buffers are immutable, and
-the list form of all-to-all concatenates its inputs. On other platforms the same code moves data
-device -> host -> device.
+its tpu inputs as host tensors, launches gloo on them and, when the work is waited on, the tpu
+outputs hold gloo's results. Where device memory is host memory (JAX's CPU platform) no byte is
+copied on our side:
 
-Gloo only reads the buffers passed as inputs here; the tests check that inputs are unchanged.
+- an input is a read-only view of its device buffer;
+- an output that covers its storage and whose buffer nothing else holds is *claimed*: its
+  buffer is donated to JAX (which waits for every pending reader of it), and gloo writes the
+  result into the donated memory, which stays the output's buffer -- in place, as gloo does with
+  CPU tensors. This is how all_reduce runs without a copy (counted by `torchtpu.metrics()` as
+  `dist_buffers_claimed`).
+- any other output receives into a pooled host buffer that then becomes the output's device
+  buffer (`memory.move_from_host`), or is copied into it when the output is a view. An
+  all_reduce of such a tensor copies its value into that buffer first, since device buffers are
+  immutable; the list form of all-to-all concatenates its inputs.
+
+On other platforms the same code moves data device -> host -> device. Gloo only reads the
+buffers passed as inputs here; the tests check that inputs are unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Sequence
@@ -23,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtpu import runtime
+from torchtpu import counters, runtime, storage
 from torchtpu.distributed.checks import ExchangeSizes
 from torchtpu.distributed.work import TpuWork
 from torchtpu.exec import memory
@@ -41,6 +51,41 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
         jax.block_until_ready(array)
         return torch.from_dlpack(array).view(t.shape)
     return memory.numpy_to_torch(np.asarray(array)).view(t.shape)
+
+
+def claim(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s own device buffer as a host tensor that gloo may write, or None where there is none.
+
+    Only where device memory is host memory, and only for a tensor that covers its whole storage
+    (its dtype, contiguous, no math bits) whose materialised buffer nothing but the storage
+    holds. That buffer is donated to an identity program: JAX waits for the programs still
+    reading it and, while host views of it exist, copies instead of aliasing, so the memory
+    returned is ours alone. The program's result becomes the storage's buffer, so `t` and every
+    view of its storage see what is written into the returned tensor; keep that tensor only
+    until gloo is done with it (while it lives, the buffer cannot be donated again).
+    """
+    if runtime.runtime().platform != "cpu":
+        return None
+    buffer = storage.buffer_of(t)
+    if buffer.sharded or memory.to_array(t) is not buffer.value:
+        return None
+    if sys.getrefcount(buffer.value) > 2:  # held elsewhere too (the storage's reference, the argument)
+        return None
+    import jax
+
+    owned = _donate()(buffer.value)
+    buffer.value = owned
+    counters.count("dist_buffers_claimed")
+    jax.block_until_ready(owned)
+    return torch.from_dlpack(owned).view(t.shape)
+
+
+@functools.cache
+def _donate():
+    """The identity on a donated buffer (jit compiles it once per shape and dtype)."""
+    import jax
+
+    return jax.jit(lambda flat: flat, donate_argnums=0)
 
 
 class ReceiveBuffers:
@@ -107,23 +152,33 @@ class _Staging:
 
     def __init__(self, buffers: ReceiveBuffers) -> None:
         self.buffers = buffers
-        self.inputs: list[torch.Tensor] = []  # kept alive until gloo is done with them
+        self.held: list[torch.Tensor] = []  # inputs and claimed outputs, until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         host = host_view(t)
-        self.inputs.append(host)
+        self.held.append(host)
         return host
 
     def update(self, t: torch.Tensor) -> torch.Tensor:
-        host = self.buffers.take(tuple(t.shape), t.dtype)
-        _copy_bytes(host, host_view(t))
-        self.moves.append((t, host))
+        """A host tensor with `t`'s value that gloo updates in place, the result ending in `t`."""
+        host = claim(t)
+        if host is None:
+            host = self.buffers.take(tuple(t.shape), t.dtype)
+            _copy_bytes(host, host_view(t))
+            self.moves.append((t, host))
+        else:
+            self.held.append(host)
         return host
 
     def receive(self, t: torch.Tensor) -> torch.Tensor:
-        host = self.buffers.take(tuple(t.shape), t.dtype)
-        self.moves.append((t, host))
+        """A host tensor that gloo writes, the result ending in `t`."""
+        host = claim(t)
+        if host is None:
+            host = self.buffers.take(tuple(t.shape), t.dtype)
+            self.moves.append((t, host))
+        else:
+            self.held.append(host)
         return host
 
     def read_flat(self, ts: Tensors) -> torch.Tensor:
@@ -131,7 +186,7 @@ class _Staging:
         flat = self.buffers.take((sum(t.numel() for t in ts),), ts[0].dtype)
         for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
             _copy_bytes(piece, host_view(t))
-        self.inputs.append(flat)
+        self.held.append(flat)
         return flat
 
     def receive_flat(self, ts: Tensors) -> torch.Tensor:
@@ -142,8 +197,10 @@ class _Staging:
         return flat
 
     def deliver(self) -> None:
+        self.held.clear()
         for dst, src in self.moves:
             memory.move_from_host(dst, src)
+        self.moves.clear()
 
 
 class HostTransport:

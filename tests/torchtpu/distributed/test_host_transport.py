@@ -1,5 +1,6 @@
 """The host transport's buffers, in one process: inputs are views of device memory, results
-become device memory without a copy, and a result buffer is reused only when nothing uses it."""
+become device memory without a copy, a result buffer is reused only when nothing uses it, and a
+claimed output is written in its own buffer only when no one else can see that memory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import gc
 import numpy as np
 import torch
 
-from torchtpu.distributed.host_transport import ReceiveBuffers, host_view
+from torchtpu.distributed.host_transport import ReceiveBuffers, claim, host_view
 from torchtpu.exec import memory
 
 
@@ -60,3 +61,46 @@ def test_a_buffer_is_reused_only_after_every_user_let_go():
     del held, third
     gc.collect()
     assert buffers.take((256, 4), torch.float32).data_ptr() == address  # free: reused
+
+
+def test_a_claimed_tensor_is_written_in_its_own_buffer_seen_by_its_views():
+    t = torch.arange(8, dtype=torch.float32).to("tpu:0")
+    view = t[2:5]
+    claim(t)  # the first claim may copy (the buffer came from the host); later ones alias
+    host = claim(t)
+    assert host is not None and host.data_ptr() == _address(t)
+    host.copy_(-torch.arange(8, dtype=torch.float32))
+    del host
+    assert t.cpu().tolist() == [-float(i) for i in range(8)]
+    assert view.cpu().tolist() == [-2.0, -3.0, -4.0]
+
+
+def test_a_claim_never_writes_memory_that_a_host_view_still_reads():
+    t = torch.arange(4, dtype=torch.int64).to("tpu:0")
+    claim(t)
+    held = host_view(t)
+    host = claim(t)
+    assert host is not None and host.data_ptr() != held.data_ptr()
+    host.fill_(9)
+    assert held.tolist() == [0, 1, 2, 3]
+    assert t.cpu().tolist() == [9, 9, 9, 9]
+
+
+def test_a_claim_waits_for_programs_still_reading_the_buffer():
+    t = torch.ones(1 << 20).to("tpu:0")
+    claim(t)
+    total = (t * 2).sum()  # dispatched asynchronously: may still be reading `t`
+    host = claim(t)
+    host.zero_()
+    del host
+    assert total.item() == 2.0 * (1 << 20)
+
+
+def test_only_whole_tensors_whose_buffer_nothing_else_holds_are_claimed():
+    base = torch.arange(6, dtype=torch.float32).to("tpu:0")
+    assert claim(base[1:]) is None  # a view of part of its storage
+    held = memory.to_array(base)  # another holder of the buffer
+    assert claim(base) is None
+    del held
+    assert claim(base) is not None
+    assert claim(torch.empty(3, device="tpu:0")) is None  # never written: no buffer to claim

@@ -139,6 +139,7 @@ class ExchangeSizes:
 
     send: np.ndarray  # [world, world]: units (rows or elements) rank i sends to rank j
     row_numel: int  # elements per unit
+    dtype: torch.dtype
 
     def splits(self, rank: int) -> tuple[list[int], list[int]]:
         """`rank`'s (input, output) split sizes."""
@@ -170,7 +171,7 @@ def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_nam
         ]
         more = f"; and {len(bad) - 4} more" if len(bad) > 4 else ""
         raise ValueError(f"tpu_dist {collective}: ranks disagree on sizes: " + "; ".join(shown) + more)
-    return ExchangeSizes(sends.copy(), int(row_numels[0]))
+    return ExchangeSizes(sends.copy(), int(row_numels[0]), _DTYPES[int(codes[0])])
 
 
 def row_numel(t: torch.Tensor) -> int:

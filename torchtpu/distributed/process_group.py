@@ -10,6 +10,10 @@ A Python `ProcessGroup` (PyTorch's trampoline forwards C++ callers -- DDP's redu
 - `cpu` tensors go straight to gloo when the group was created for them
   (`init_process_group("cpu:gloo,tpu:tpu_dist")`); a tpu-only group rejects them.
 
+An all-to-all first agrees with every rank on the sizes each sends each (`exchange`), so
+mismatched splits raise the same error everywhere instead of hanging or misdelivering; where all
+bytes go through gloo, repeated sizes are guessed and the data moves while they are confirmed.
+
 Both paths share one gloo backend, built on the group's own store, so the bytes travel through
 PyTorch's transport, not a home-made one. One process drives one tpu device: the group binds to
 the device of its first tpu collective and rejects tensors on any other.
@@ -26,8 +30,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from torchtpu.distributed import checks
+from torchtpu.distributed.exchange import SizeExchange
 from torchtpu.distributed.host_transport import HostTransport
-from torchtpu.distributed.work import CollectiveError
 
 BACKEND_NAME = "tpu_dist"
 TRANSPORT_ENV = "TORCHTPU_DIST_TRANSPORT"
@@ -42,6 +46,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._transport = _transport(self._gloo, store, rank, size)
+        self._sizes = SizeExchange(self._gloo, rank, size)
+        # Data moves on guessed sizes only where every rank's bytes go through gloo; the group
+        # decides once, so all ranks decide alike (see `exchange`).
+        self._guesses = isinstance(self._transport, HostTransport)
         self._device: torch.device | None = None
         self._served: frozenset[str] | None = None
         self._closed = False
@@ -97,20 +105,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
             )
         return self._transport
 
-    def _agree(self, collective: str, send: Sequence[int], recv: Sequence[int], row_numel: int,
-               dtype: torch.dtype, unit: str, send_name: str, recv_name: str) -> checks.ExchangeSizes:
-        """Check with every rank that what each sends is what its peer expects (see `checks`)."""
-        mine = checks.exchange_row(send, recv, row_numel, dtype)
-        table = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
-        try:
-            self._gloo._allgather_base(table, mine).wait()
-        except RuntimeError as error:
-            raise CollectiveError(
-                f"tpu_dist {collective}: exchanging sizes failed on rank {self.rank()}: {error}"
-            ) from error
-        table = table.view(self.size(), mine.numel()).numpy()
-        return checks.check_exchange_table(collective, table, unit, send_name, recv_name)
-
     # --- collectives (c10d names and arguments) ---------------------------------------------
 
     def allreduce(self, tensors: Tensors, opts: c10d.AllreduceOptions | None = None) -> dist.Work:
@@ -162,12 +156,19 @@ class ProcessGroupTPU(dist.ProcessGroup):
         checks.row_shapes(c, output, input)
         send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self.size())
         recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self.size())
-        sizes = self._agree(c, send, recv, checks.row_numel(input), input.dtype, "rows", "input_split_sizes",
-                            "output_split_sizes")
+        row = checks.exchange_row(send, recv, checks.row_numel(input), input.dtype)
         opts = opts or c10d.AllToAllOptions()
-        if backend is self._gloo:
-            return self._gloo.alltoall_base(output, input, recv, send, opts)
-        return backend.all_to_all_single(output, input, sizes, opts)
+
+        def launch(sizes: checks.ExchangeSizes) -> dist.Work:
+            if backend is self._gloo:
+                send_splits, recv_splits = sizes.splits(self.rank())
+                return self._gloo.alltoall_base(output, input, recv_splits, send_splits, opts)
+            return backend.all_to_all_single(output, input, sizes, opts)
+
+        names = ("rows", "input_split_sizes", "output_split_sizes")
+        if self._guesses:
+            return self._sizes.all_to_all(c, row, launch, opts, *names)
+        return launch(self._sizes.agree(c, row, *names))
 
     alltoall_base = all_to_all_single
 
@@ -177,8 +178,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         backend = self._route(c, [*output_tensors, *input_tensors])
         checks.list_length(c, "output_tensor_list", output_tensors, self.size())
         checks.list_length(c, "input_tensor_list", input_tensors, self.size())
-        sizes = self._agree(c, [t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
-                            input_tensors[0].dtype, "elements", "input_tensor_list", "output_tensor_list")
+        row = checks.exchange_row([t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
+                                  input_tensors[0].dtype)
+        sizes = self._sizes.agree(c, row, "elements", "input_tensor_list", "output_tensor_list")
         opts = opts or c10d.AllToAllOptions()
         if backend is not self._gloo:
             return backend.alltoall(output_tensors, input_tensors, sizes, opts)

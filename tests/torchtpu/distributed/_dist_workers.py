@@ -257,6 +257,7 @@ def collectives_and_all_to_all(rank: int, world: int, modes: tuple[str, ...], pa
     torch.tpu.set_device(rank)
     collectives_vs_gloo(rank, world, modes)
     all_to_all_fuzz(rank, world, patterns)
+    guessed_all_to_all(rank, world)
     dist.destroy_process_group()
 
 
@@ -359,6 +360,47 @@ def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
         assert torch.equal(sent, host_in), f"pattern {p}: an input was modified"
 
 
+def _exchange_and_check(rank: int, rows: np.ndarray, dtype: torch.dtype, device: torch.device, async_op: bool,
+                        what: str) -> None:
+    """One uneven all_to_all_single of tagged rows (width 2) on `device`, checked element by element."""
+    world = rows.shape[0]
+    expected = np.concatenate([_tagged_rows(src, rows, 2)[rows[src, :rank].sum():][: rows[src, rank]]
+                               for src in range(world)])
+    inp = torch.from_numpy(_tagged_rows(rank, rows, 2)).to(dtype).to(device)
+    out = torch.full((int(rows[:, rank].sum()), 2), -7, dtype=dtype).to(device)
+    work = dist.all_to_all_single(out, inp, rows[:, rank].tolist(), rows[rank].tolist(), async_op=async_op)
+    if async_op:
+        work.wait()
+    got = out.cpu().to(torch.int64).numpy()
+    assert np.array_equal(got, expected), f"{what} rank {rank}: got {got.tolist()} expected {expected.tolist()}"
+
+
+def guessed_all_to_all(rank: int, world: int) -> None:
+    """Repeated sizes: the data moves on the guessed sizes while they are checked (see
+    `torchtpu.distributed.exchange`). Every result equals the NumPy model when the guess holds,
+    when only some ranks' calls differ from it (the others' exchange runs on the guess first),
+    when every rank's call differs, on tpu and on cpu tensors; and the guesses were taken."""
+    tpu = torch.device("tpu", rank)
+    same = np.full((world, world), 2)
+    one_pair = same.copy()
+    one_pair[0, world - 1] = 5  # only the calls of ranks 0 and world - 1 change
+    calls = [  # (rows, dtype, device, async): guess confirmed (+) or missed (-)
+        (same, torch.int64, tpu, False), (same, torch.int64, tpu, True),
+        (same, torch.int64, tpu, False),  # +
+        (same, torch.int64, torch.device("cpu"), True),  # +
+        (one_pair, torch.int64, tpu, False),  # -
+        (one_pair, torch.int64, tpu, False), (one_pair, torch.int64, tpu, True),  # +
+        (same, torch.float32, tpu, False),  # - (every rank's call differs: the dtype)
+        (same, torch.float32, tpu, False), (same, torch.float32, torch.device("cpu"), False),  # +
+    ]
+    before = torchtpu.metrics()
+    for i, (rows, dtype, device, async_op) in enumerate(calls):
+        _exchange_and_check(rank, rows, dtype, device, async_op, f"guessed call {i}")
+    after = torchtpu.metrics()
+    counted = [after.get(k, 0) - before.get(k, 0) for k in ("dist_all_to_all_guessed", "dist_all_to_all_guess_missed")]
+    assert counted == [4, 2], f"rank {rank}: guesses confirmed/missed {counted}, expected [4, 2]"
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 
@@ -383,6 +425,14 @@ def errors(rank: int, world: int) -> None:
     message = _raises(ValueError, "ranks disagree on sizes", dist.all_to_all_single, out, inp,
                       [1, 2] if rank == 0 else [1, 3], [1, 2])
     assert "rank 0 sends 2 rows to rank 1 (input_split_sizes[1]) but rank 1 expects 1 from rank 0" in message, message
+    # The same disagreement right after repeated sizes, whose exchange already runs on the guess
+    # while sizes are checked: the same error everywhere, and the next exchange is right.
+    rows = np.full((world, world), 1)
+    for _ in range(2):
+        _exchange_and_check(rank, rows, torch.int64, device, False, "before the disagreement")
+    _raises(ValueError, "ranks disagree on sizes", dist.all_to_all_single, out, inp,
+            [1, 2] if rank == 0 else [1, 3], [1, 2])
+    _exchange_and_check(rank, rows, torch.int64, device, False, "after the disagreement")
     # A rank's own sizes that do not add up.
     _raises(ValueError, "sum to 4 rows, but dim 0 of the input has 3", dist.all_to_all_single,
             torch.empty(4, dtype=torch.int64, device=device), inp, [2, 2], [2, 2])

@@ -1,0 +1,119 @@
+"""Agreeing on all-to-all sizes before data moves, and moving data on a guess while agreeing.
+
+Gloo aborts the process, or waits forever, when a rank sends a peer more or fewer bytes than the
+peer expects. So before an all-to-all every rank's sizes are gathered (one small gloo
+all-gather) and checked (`checks.check_exchange_table`): every rank reaches the same verdict,
+and only agreed sizes ever reach gloo.
+
+That gather costs a round trip as long as a small all-to-all itself. Repeated exchanges of one
+shape (the pooled embeddings of every training step, a benchmark) need not wait for it: once two
+consecutive all-to-alls of a group agreed on the same sizes, the next one *guesses* those sizes
+and launches the data exchange with them at the same time as the gather. Every rank decides
+alike -- the decision depends only on agreements that every rank saw -- and every rank sends and
+receives exactly the guessed sizes, on scratch buffers if its own call differs from the guess,
+so gloo always sees matching sizes. When the gathered sizes equal the guess, the data exchange
+already under way is the answer. Otherwise every rank waits for it to finish, then either raises
+the disagreement (outputs then hold unspecified data, as after any failed collective) or runs
+the exchange again with the agreed sizes, which overwrites every output row. No result is ever
+taken from a guess that the gathered sizes did not confirm. `torchtpu.metrics()` counts guesses
+confirmed (`dist_all_to_all_guessed`) and missed (`dist_all_to_all_guess_missed`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchtpu import counters
+from torchtpu.distributed import checks
+from torchtpu.distributed.checks import ExchangeSizes
+from torchtpu.distributed.work import CollectiveError
+
+Launch = Callable[[ExchangeSizes], dist.Work]
+
+
+class SizeExchange:
+    """The size agreements of one process group's all-to-alls, and the guess they make."""
+
+    def __init__(self, gloo: dist.ProcessGroupGloo, rank: int, size: int) -> None:
+        self._gloo = gloo
+        self._rank = rank
+        self._size = size
+        # The tables of the last two agreements of all_to_all_single, the last one's sizes.
+        self._tables: list[np.ndarray] = []
+        self._sizes: ExchangeSizes | None = None
+
+    def agree(self, collective: str, row: torch.Tensor, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:
+        """Every rank's sizes, checked: `row` is this rank's `checks.exchange_row`."""
+        table = self._gathered(collective, self._gather(collective, row))
+        return checks.check_exchange_table(collective, table, unit, send_name, recv_name)
+
+    def all_to_all(self, collective: str, row: torch.Tensor, launch: Launch, opts: dist.AllToAllOptions, unit: str,
+                   send_name: str, recv_name: str) -> dist.Work:
+        """Agree on sizes and run `launch(sizes)`, this rank's part of the exchange; on a guess,
+        while agreeing (see the module docstring)."""
+        guess = self._guess()
+        early = None
+        try:
+            pending = self._gather(collective, row)
+            if guess is not None:
+                mine = np.array_equal(self._tables[-1][self._rank], row.numpy())
+                early = launch(guess) if mine else self._stand_in(guess, opts)
+            table = self._gathered(collective, pending)
+            confirmed = guess is not None and np.array_equal(table, self._tables[-1])
+            sizes = guess if confirmed else checks.check_exchange_table(collective, table, unit, send_name, recv_name)
+        except (ValueError, CollectiveError):
+            self._tables.clear()
+            if early is not None:
+                _finish(early)
+            raise
+        self._tables = [*self._tables[-1:], table]
+        self._sizes = sizes
+        if early is not None:
+            counters.count("dist_all_to_all_guessed" if confirmed else "dist_all_to_all_guess_missed")
+            if confirmed:
+                return early
+            early.wait()
+        return launch(sizes)
+
+    def _guess(self) -> ExchangeSizes | None:
+        if len(self._tables) == 2 and np.array_equal(self._tables[0], self._tables[1]):
+            return self._sizes
+        return None
+
+    def _gather(self, collective: str, row: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        table = torch.empty(self._size * row.numel(), dtype=torch.int64)
+        try:
+            return table, self._gloo._allgather_base(table, row)
+        except RuntimeError as error:
+            raise self._failed(collective, error) from error
+
+    def _gathered(self, collective: str, pending: tuple[torch.Tensor, dist.Work]) -> np.ndarray:
+        table, work = pending
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise self._failed(collective, error) from error
+        return table.view(self._size, -1).numpy()
+
+    def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
+        return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")
+
+    def _stand_in(self, guess: ExchangeSizes, opts: dist.AllToAllOptions) -> dist.Work:
+        """This rank's part of the guessed exchange when its own call differs from the guess:
+        the guessed bytes, sent from and received into scratch buffers."""
+        send, recv = guess.splits(self._rank)
+        source = torch.zeros((sum(send), guess.row_numel), dtype=guess.dtype)
+        scratch = torch.empty((sum(recv), guess.row_numel), dtype=guess.dtype)
+        return self._gloo.alltoall_base(scratch, source, recv, send, opts)
+
+
+def _finish(work: dist.Work) -> None:
+    """Wait for a guessed exchange before raising another error: its own failure adds nothing."""
+    try:
+        work.wait()
+    except RuntimeError:
+        pass

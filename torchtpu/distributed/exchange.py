@@ -42,9 +42,10 @@ class SizeExchange:
         self._gloo = gloo
         self._rank = rank
         self._size = size
-        # The tables of the last two agreements of all_to_all_single, the last one's sizes.
-        self._tables: list[np.ndarray] = []
-        self._sizes: ExchangeSizes | None = None
+        # The table of the last agreement of all_to_all_single, and its sizes when the agreement
+        # before it was the same: the guess for the next call.
+        self._table: np.ndarray | None = None
+        self._guess: ExchangeSizes | None = None
 
     def agree(self, collective: str, row: torch.Tensor, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:
         """Every rank's sizes, checked: `row` is this rank's `checks.exchange_row`."""
@@ -55,34 +56,29 @@ class SizeExchange:
                    send_name: str, recv_name: str) -> dist.Work:
         """Agree on sizes and run `launch(sizes)`, this rank's part of the exchange; on a guess,
         while agreeing (see the module docstring)."""
-        guess = self._guess()
+        guess, last = self._guess, self._table
         early = None
         try:
             pending = self._gather(collective, row)
             if guess is not None:
-                mine = np.array_equal(self._tables[-1][self._rank], row.numpy())
+                mine = np.array_equal(last[self._rank], row.numpy())
                 early = launch(guess) if mine else self._stand_in(guess, opts)
             table = self._gathered(collective, pending)
-            confirmed = guess is not None and np.array_equal(table, self._tables[-1])
+            repeated = last is not None and np.array_equal(table, last)
+            confirmed = guess is not None and repeated
             sizes = guess if confirmed else checks.check_exchange_table(collective, table, unit, send_name, recv_name)
         except (ValueError, CollectiveError):
-            self._tables.clear()
+            self._table = self._guess = None
             if early is not None:
                 _finish(early)
             raise
-        self._tables = [*self._tables[-1:], table]
-        self._sizes = sizes
+        self._table, self._guess = table, (sizes if repeated else None)
         if early is not None:
             counters.count("dist_all_to_all_guessed" if confirmed else "dist_all_to_all_guess_missed")
             if confirmed:
                 return early
             early.wait()
         return launch(sizes)
-
-    def _guess(self) -> ExchangeSizes | None:
-        if len(self._tables) == 2 and np.array_equal(self._tables[0], self._tables[1]):
-            return self._sizes
-        return None
 
     def _gather(self, collective: str, row: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         table = torch.empty(self._size * row.numel(), dtype=torch.int64)

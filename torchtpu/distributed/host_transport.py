@@ -46,11 +46,15 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     memory (treat it as read-only: device buffers are immutable)."""
     array = memory.to_array(t)
     if runtime.runtime().platform == "cpu":
-        import jax
-
-        jax.block_until_ready(array)
-        return torch.from_dlpack(array).view(t.shape)
+        return _host_memory(array, t.shape)
     return memory.numpy_to_torch(np.asarray(array)).view(t.shape)
+
+
+def _host_memory(array, shape: torch.Size) -> torch.Tensor:
+    """A CPU tensor of `shape` over the memory of a flat CPU-platform `jax.Array`, once ready."""
+    array.block_until_ready()
+    host = torch._C._from_dlpack(array.__dlpack__())
+    return host if host.shape == shape else host.view(shape)
 
 
 def claim(t: torch.Tensor) -> torch.Tensor | None:
@@ -71,13 +75,10 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
         return None
     if sys.getrefcount(buffer.value) > 2:  # held elsewhere too (the storage's reference, the argument)
         return None
-    import jax
-
     owned = _donate()(buffer.value)
     buffer.value = owned
     counters.count("dist_buffers_claimed")
-    jax.block_until_ready(owned)
-    return torch.from_dlpack(owned).view(t.shape)
+    return _host_memory(owned, t.shape)
 
 
 @functools.cache

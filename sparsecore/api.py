@@ -3,7 +3,8 @@
 `SparseCoreEmbedding` binds stacked tables (`sparsecore.layout`) to a 1-D mesh of devices, one
 MOD shard group per device. It owns two cached, jitted programs: the lookup of every stack and the
 fused backward + optimizer update of every stack, which donates the tables, the optimizer state
-and a gradient workspace, so a step never copies a table. State is plain pytrees:
+and a gradient workspace (of which a step clears only the rows its batch uses), so a step never
+copies a table. State is plain pytrees:
 
 * ``tables[stack]``: the stacked variable ``[N * rows_per_shard, dim]``, sharded over the mesh;
 * ``slots[stack]``: the optimizer state, one array per slot of the stack's optimizer (same rows,
@@ -105,9 +106,7 @@ class SparseCoreEmbedding:
         self._replicated = NamedSharding(self.mesh, P())
         self.lookup_program = jax.jit(self.lookup_fn)
         """`lookup_fn` jitted: what `lookup` runs (`.lower(...)` shows its HLO)."""
-        # keep_unused: the update never reads the workspace's values, but its donated buffer is
-        # where the program accumulates; without it jit would prune the argument.
-        self.update_program = jax.jit(self.update_fn, donate_argnums=(0, 1, 2), keep_unused=True)
+        self.update_program = jax.jit(self.update_fn, donate_argnums=(0, 1, 2))
         """`update_fn` jitted with tables, slots and workspaces donated: what `update` runs."""
         self._workspaces: dict[str, Array] | None = None
         self._table_initializers: dict[str, Callable[[Array, Array, Array], Array]] = {}
@@ -362,7 +361,8 @@ class SparseCoreEmbedding:
         hyperparameters: Mapping[str, Array],
     ) -> tuple[Array, dict[str, Array], Array]:
         """The traceable update of one stack from its activations' gradient `[N*B, D]` (the
-        layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace."""
+        layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace
+        (`[devices * workspace_rows, D]`, any content)."""
         missing = [field for field in _SIDE_CAR if field not in buffers]
         if missing:
             raise ValueError(

@@ -21,6 +21,10 @@ the gathered `[chunk, D]` rows stay in cache and never page-fault in as a fresh 
 DEFAULT_ROW_CHUNK = 4096
 """Unique rows per step of the optimizer loop (same trade-off)."""
 
+DEFAULT_LANES = 2
+"""Independent accumulation loops of the lookup, each over its own windows into its own output
+block: XLA:CPU runs independent operations concurrently, one loop per core of the stand-in host."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelGeometry:
@@ -28,7 +32,8 @@ class KernelGeometry:
 
     `max_ids_per_partition` / `max_unique_ids_per_partition` bound the entries / distinct rows
     one SparseCore sends to one partition (the host enforces them), `unique_rows_per_partition`
-    (U) the side-car's distinct rows per (device, partition). `entry_chunk` and `row_chunk` are loop tiling knobs, not semantics.
+    (U) the side-car's distinct rows per (device, partition). `entry_chunk`, `row_chunk` and
+    `lanes` (a power of two) tile the stand-in's loops; they do not change what is computed.
     """
 
     name: str
@@ -44,6 +49,7 @@ class KernelGeometry:
     unique_rows_per_partition: int
     entry_chunk: int = DEFAULT_ENTRY_CHUNK
     row_chunk: int = DEFAULT_ROW_CHUNK
+    lanes: int = DEFAULT_LANES
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -55,6 +61,8 @@ class KernelGeometry:
                 f"KernelGeometry {self.name!r}: coo_buffer_size {self.coo_buffer_size} is not a "
                 f"multiple of 8 x {self.sparsecores_per_device} SparseCores"
             )
+        if self.lanes & (self.lanes - 1):
+            raise ValueError(f"KernelGeometry {self.name!r}: lanes must be a power of two, got {self.lanes}")
         if self.row_pointers_per_sparsecore < self.num_sparsecores:
             raise ValueError(
                 f"KernelGeometry {self.name!r}: {self.row_pointers_per_sparsecore} row pointers per "
@@ -123,6 +131,11 @@ class KernelGeometry:
     @property
     def samples_per_device(self) -> int:
         return self.sparsecores_per_device * self.batch_size_per_sparsecore
+
+    @property
+    def row_step(self) -> int:
+        """Workspace slots per step of the optimizer loop: `row_chunk`, at most one target's."""
+        return min(self.row_chunk, self.merged_rows_per_sparsecore)
 
     @property
     def merged_rows_per_sparsecore(self) -> int:

@@ -7,18 +7,20 @@ Per device (inside `shard_map`), for the rows of its S shards:
    gradients;
 2. merge the host's per-(source device, partition) unique rows into one list per target
    SparseCore (with one device there is nothing to merge; otherwise rows that several devices
-   looked up are merged by a sort), so every touched row has exactly one slot;
+   looked up are merged by a sort), so every touched row has exactly one workspace slot;
 3. accumulate each entry's `gain * activation_grad` into its row's slot, once per row;
-4. walk the touched rows in chunks: gather row and slots, apply the optimizer body
-   (`OptimizerSpec.update_rows`), scatter them back. Rows not touched, and their slots, are not
-   read or written, so they stay bit-for-bit unchanged.
+4. walk the touched rows in chunks: read their slots' gradients (contiguous workspace rows),
+   gather row and optimizer slots, apply the optimizer body (`OptimizerSpec.update_rows`),
+   scatter them back. Rows not touched, and their slots, are not read or written, so they stay
+   bit-for-bit unchanged.
 
 The table, the slots and the gradient workspace are donated by the caller; this program has no
-gather of the table outside the update loop, which is what keeps XLA from copying the table.
+gather of the table outside the update loop, which is what keeps XLA from copying the table. Of
+the workspace only the slots the batch uses are cleared and written, never the whole of it.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ from sparsecore.kernels.routing import (
     route_entries,
     route_unique_rows,
 )
-from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows, varying
+from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows
 from sparsecore.optimizers import OptimizerSpec
 from sparsecore.preprocess import PAD_ID
 
@@ -39,8 +41,9 @@ Array = jax.Array
 
 
 def workspace_rows(geometry: KernelGeometry) -> int:
-    """Rows of the per-device gradient workspace: one per mergeable row, plus a discard row."""
-    return geometry.sparsecores_per_device * geometry.merged_rows_per_sparsecore + 1
+    """Rows of the per-device gradient workspace: one per mergeable row, plus one optimizer step
+    of tail so that every step reads whole rows in bounds."""
+    return geometry.sparsecores_per_device * geometry.merged_rows_per_sparsecore + geometry.row_step
 
 
 def merge_unique_rows(unique: Array, geometry: KernelGeometry) -> tuple[Array, Array, Array]:
@@ -73,26 +76,63 @@ def merge_unique_rows(unique: Array, geometry: KernelGeometry) -> tuple[Array, A
     return slot_of.reshape(s, g, u).swapaxes(0, 1), rows, jnp.sum(first, axis=1, dtype=jnp.int32)
 
 
+def entry_slots(entries: OwnedEntries, slot_of: Array, geometry: KernelGeometry) -> Array:
+    """The workspace slot of every owned entry `[W, P]` (0 where the slot holds no entry), from
+    `slot_of [G, S, U]` (`merge_unique_rows`)."""
+    per_source = geometry.sparsecores_per_device * geometry.unique_rows_per_partition
+    source = OwnedEntries.source_device(jnp.arange(entries.rows.shape[0], dtype=jnp.int32), geometry)
+    flat = jnp.where(entries.valid, source[:, None] * per_source + entries.unique_slots, 0)
+    return jnp.where(entries.valid, slot_of.reshape(-1)[flat], 0)
+
+
 def accumulate_gradients(
     workspace: Array,
     grads: Array,
     entries: OwnedEntries,
-    slot_of: Array,
+    slots: Array,
     geometry: KernelGeometry,
 ) -> Array:
-    """`workspace[slot of entry] += gain * grads[entry's source sample]` over all real entries;
-    the workspace must be zero. `grads` is every device's `[G*S*B, D]`."""
-    slot_of = slot_of.reshape(-1)
-    discard = workspace.shape[0] - 1
-    per_source = geometry.sparsecores_per_device * geometry.unique_rows_per_partition
+    """`workspace[slot of entry] += gain * grads[entry's source sample]` over all real entries.
+    `grads` is every device's `[G*S*B, D]`, `slots` the entries' `entry_slots`."""
+    chunk, batch = geometry.chunk, geometry.batch_size_per_sparsecore
 
     def read(window: Array, offset: Array) -> tuple[Array, Array, Array]:
-        chunk = entries.read(window, offset)
-        flat = OwnedEntries.source_device(window, geometry) * per_source + chunk.unique_slots
-        slots = jnp.where(chunk.valid, slot_of[jnp.where(chunk.valid, flat, 0)], discard)
-        return jnp.where(chunk.valid, chunk.outputs, -1), slots, chunk.gains
+        rows, samples, gains, slot = (
+            lax.dynamic_slice(a, (window, offset), (1, chunk))[0]
+            for a in (entries.rows, entries.samples, entries.gains, slots)
+        )
+        return jnp.where(rows >= 0, window * batch + samples, -1), slot, gains
 
-    return accumulate_rows(workspace, grads, entries.used, read, geometry.chunk)
+    return accumulate_rows(workspace, grads, entries.used, read, chunk)
+
+
+def _target_steps(counts: Array, geometry: KernelGeometry) -> tuple[Array, Callable[[Array], tuple[Array, Array]]]:
+    """Steps of `geometry.row_step` workspace slots over each target's `counts` used slots: the
+    number of steps, and `step -> (first slot, live mask)`."""
+    chunk, merged = geometry.row_step, geometry.merged_rows_per_sparsecore
+    per_target = (counts + chunk - 1) // chunk
+    ends = jnp.cumsum(per_target, dtype=jnp.int32)
+    starts = ends - per_target
+
+    def slots(index: Array) -> tuple[Array, Array]:
+        target = jnp.sum(index >= ends, dtype=jnp.int32)
+        first = (index - starts[target]) * chunk
+        live = first + jnp.arange(chunk, dtype=jnp.int32) < counts[target]
+        return target * merged + first, live
+
+    return ends[-1], slots
+
+
+def clear_used_rows(workspace: Array, counts: Array, geometry: KernelGeometry) -> Array:
+    """`workspace` with every slot a target uses (and the rest of its last step) set to zero:
+    what the accumulation needs, without clearing the whole workspace."""
+    steps, slots = _target_steps(counts, geometry)
+    zeros = jnp.zeros((geometry.row_step, workspace.shape[1]), workspace.dtype)
+    def clear(index: Array, workspace: Array) -> Array:
+        first = slots(index)[0]
+        return lax.dynamic_update_slice(workspace, zeros, (first, jnp.zeros_like(first)))
+
+    return lax.fori_loop(0, steps, clear, workspace)
 
 
 def apply_optimizer(
@@ -105,30 +145,23 @@ def apply_optimizer(
     hyperparameters: Mapping[str, Array],
     geometry: KernelGeometry,
 ) -> tuple[Array, dict[str, Array]]:
-    """Update every slot's row of `table` and `slots` with its accumulated gradient, in chunks of
-    `geometry.row_chunk` rows, visiting only the slots in use."""
-    chunk, merged = geometry.row_chunk, geometry.merged_rows_per_sparsecore
-    ends = jnp.cumsum(counts, dtype=jnp.int32)
-    starts = ends - counts
-    total = ends[-1]
-    discard = workspace.shape[0] - 1
-    last_target = geometry.sparsecores_per_device - 1
+    """Update every used slot's row of `table` and `slots` with its accumulated gradient, target
+    by target in steps of `geometry.row_step` contiguous workspace slots."""
+    chunk = geometry.row_step
+    steps, step_slots = _target_steps(counts, geometry)
+    rows = jnp.pad(rows, (0, chunk), constant_values=geometry.rows_per_device)
 
     def step(index: Array, state: tuple[Array, dict[str, Array]]) -> tuple[Array, dict[str, Array]]:
         table, slots = state
-        visit = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        target = jnp.minimum(jnp.sum(visit[:, None] >= ends[None, :], axis=1, dtype=jnp.int32), last_target)
-        slot = target * merged + visit - starts[target]
-        live = visit < total
-        row = jnp.where(live, rows[jnp.where(live, slot, 0)], geometry.rows_per_device)
-        grad = gather_rows(workspace, jnp.where(live, slot, discard))
+        first, live = step_slots(index)
+        row = jnp.where(live, lax.dynamic_slice(rows, (first,), (chunk,)), geometry.rows_per_device)
+        grad = lax.dynamic_slice(workspace, (first, jnp.zeros_like(first)), (chunk, workspace.shape[1]))
         current = {name: gather_rows(value, row, fill=True) for name, value in slots.items()}
         new_rows, new_slots = optimizer.update_rows(grad, gather_rows(table, row, fill=True), current, hyperparameters)
         table = scatter_rows(table, row, new_rows, add=False, unique=True)
         slots = {name: scatter_rows(slots[name], row, new_slots[name], add=False, unique=True) for name in slots}
         return table, slots
 
-    steps = (total + chunk - 1) // chunk
     return lax.fori_loop(0, steps, step, (table, dict(slots)))
 
 
@@ -152,15 +185,16 @@ def update_local(
     """One device's fused backward and optimizer step.
 
     Buffers and side-car are this device's 1-D / `[N, U]` arrays, `activation_grads [S*B, D]`,
-    `table [S*Vs, D]`, each slot `[S*Vs, width]`, `workspace [workspace_rows, D]` (any content;
-    it is zeroed first). Returns the updated table, slots and the spent workspace.
+    `table [S*Vs, D]`, each slot `[S*Vs, width]`, `workspace [workspace_rows, D]` (any content:
+    the rows this batch uses are cleared first). Returns the updated table, slots and the spent
+    workspace.
     """
     entries = route_entries(
         row_pointers, embedding_ids, sample_ids, gains, entry_unique_index, geometry, axis_name
     )
     slot_of, rows, counts = merge_unique_rows(route_unique_rows(unique_ids, geometry, axis_name), geometry)
     grads = gather_activation_grads(activation_grads, axis_name)
-    workspace = varying(jnp.zeros(workspace.shape, workspace.dtype), axis_name)
-    workspace = accumulate_gradients(workspace, grads, entries, slot_of, geometry)
+    workspace = clear_used_rows(workspace, counts, geometry)
+    workspace = accumulate_gradients(workspace, grads, entries, entry_slots(entries, slot_of, geometry), geometry)
     table, slots = apply_optimizer(table, slots, workspace, rows, counts, optimizer, hyperparameters, geometry)
     return table, slots, workspace

@@ -8,13 +8,16 @@ here: the host folded mean and sqrtn into the gains.
 XLA:CPU cost model behind the shape of the loop (see `notes/xla-cpu-embedding-performance.md`):
 a gather of all entries' rows into one `[entries, D]` buffer page-faults a fresh allocation every
 step and dominates the time, so the owner walks the entries in chunks that stay in cache and
-scatter-adds each chunk into the activations. The table is only read here, so this program never
+scatter-adds each chunk into the activations. A window's entries only reach its own source
+samples, so the windows are split over `geometry.lanes` independent loops, each into its own
+output block, which XLA runs concurrently. The table is only read here, so this program never
 shares a computation with the in-place update of the same table.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from sparsecore.kernels.geometry import KernelGeometry
 from sparsecore.kernels.routing import OwnedEntries, return_activations, route_entries
@@ -24,15 +27,27 @@ Array = jax.Array
 
 
 def pooled_partials(table: Array, entries: OwnedEntries, geometry: KernelGeometry, axis_name: str) -> Array:
-    """Owner side: partial activations `[G*S*B, D]` of every source sample from this device's
-    shards."""
-    zeros = jnp.zeros((geometry.num_devices * geometry.samples_per_device, table.shape[1]), table.dtype)
+    """Owner side: partial activations `[W*B, D]` of every source sample (window w's B samples
+    at rows [w*B, (w+1)*B)) from this device's shards."""
+    windows, batch, chunk = entries.rows.shape[0], geometry.batch_size_per_sparsecore, geometry.chunk
+    lanes = min(geometry.lanes, windows)
+    blocks = []
+    for lane in range(lanes):
+        mine = windows // lanes  # windows lane, lane + lanes, ... in this lane's block
 
-    def read(window: Array, offset: Array) -> tuple[Array, Array, Array]:
-        entries_chunk = entries.read(window, offset)
-        return entries_chunk.rows, entries_chunk.outputs, entries_chunk.gains
+        def read(position: Array, offset: Array, lane: int = lane) -> tuple[Array, Array, Array]:
+            window = lane + position * lanes
+            rows, samples, gains = (
+                lax.dynamic_slice(a, (window, offset), (1, chunk))[0]
+                for a in (entries.rows, entries.samples, entries.gains)
+            )
+            return rows, position * batch + samples, gains
 
-    return accumulate_rows(varying(zeros, axis_name), table, entries.used, read, geometry.chunk)
+        zeros = varying(jnp.zeros((mine * batch, table.shape[1]), table.dtype), axis_name)
+        block = accumulate_rows(zeros, table, entries.used[lane::lanes], read, chunk)
+        blocks.append(block.reshape(mine, batch, -1))
+    # Lane l's block k holds window l + k * lanes.
+    return jnp.stack(blocks, axis=1).reshape(windows * batch, -1)
 
 
 def lookup_local(

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sparsecore.kernels.geometry import KernelGeometry
-from sparsecore.kernels.routing import OwnedEntries, return_activations, route_entries
+from sparsecore.kernels.routing import return_activations, route_entries
 
 Array = jax.Array
 
@@ -87,22 +87,6 @@ def embedding_bag(
     )(rows, samples, gains.astype(jnp.float32), table.reshape(vocabulary, 1, dim))
 
 
-def owned_coo(entries: OwnedEntries, geometry: KernelGeometry) -> tuple[Array, Array, Array]:
-    """The owner's entries as `[W, P]` COO arrays (table row, sample within its window, gain),
-    W = G*S windows of P = `padded_window` slots; slots without an entry have row -1."""
-    windows = geometry.num_devices * geometry.sparsecores_per_device
-    offsets = jnp.arange(0, geometry.padded_window, geometry.chunk, dtype=jnp.int32)
-    read_window = jax.vmap(entries.read, in_axes=(None, 0))
-    chunks = jax.vmap(read_window, in_axes=(0, None))(jnp.arange(windows, dtype=jnp.int32), offsets)
-    first_output = jnp.arange(windows, dtype=jnp.int32)[:, None, None] * geometry.batch_size_per_sparsecore
-    samples = jnp.where(chunks.valid, chunks.outputs - first_output, -1)
-    return (
-        chunks.rows.reshape(windows, -1),
-        samples.reshape(windows, -1),
-        chunks.gains.reshape(windows, -1),
-    )
-
-
 def lookup_local(
     row_pointers: Array,
     embedding_ids: Array,
@@ -117,8 +101,8 @@ def lookup_local(
     """One device's lookup with the Pallas embedding bag (signature of the stand-in's, plus the
     platform switch `interpret`)."""
     entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
-    rows, samples, weights = owned_coo(entries, geometry)
+    samples = jnp.where(entries.valid, entries.samples, -1)
     partials = embedding_bag(
-        table, rows, samples, weights, batch_size=geometry.batch_size_per_sparsecore, interpret=interpret
+        table, entries.rows, samples, entries.gains, batch_size=geometry.batch_size_per_sparsecore, interpret=interpret
     )
     return return_activations(partials.reshape(-1, table.shape[1]).astype(table.dtype), geometry, axis_name)

@@ -4,15 +4,15 @@ Runs per device inside `shard_map` over a 1-D mesh (axis `axis_name`, one positi
 Each local SparseCore s sends, to every device e, the *window* of its segment that holds
 partitions e*S .. e*S+S-1 (contiguous in the buffer, at most `geometry.window` slots). Slots are
 masked by the row pointers before they leave: gaps, pads and the undefined tail after the last
-partition never reach an owner. One `all_to_all` moves (row, unique slot, sample, gain) per slot,
+partition never reach an owner. One `all_to_all` moves (row, sample, gain, unique slot) per slot,
 a second the windows' used lengths. With a single device nothing moves: the owner reads its own
-buffers in place, chunk by chunk, with the same masking. Activations go back with an
-`all_to_all`; activation gradients reach every owner with an `all_gather`.
+segments, masked the same way. Either way the owner gets its entries once, as flat per-window
+arrays (`OwnedEntries`) that the kernels' loops slice chunk by chunk: the index arithmetic of a
+slot is done once per step, not once per element of the rows it moves. Activations go back with
+an `all_to_all`; activation gradients reach every owner with an `all_gather`.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -24,37 +24,29 @@ from sparsecore.kernels.geometry import KernelGeometry
 Array = jax.Array
 
 
-class EntryChunk(NamedTuple):
-    """`geometry.chunk` consecutive slots of one window.
+class OwnedEntries(NamedTuple):
+    """The entries one device owns, as W = G*S windows (source device, source SparseCore) of
+    P = `geometry.padded_window` slots.
 
-    `rows`: owner-local table row (target SparseCore * rows_per_shard + embedding id), -1 where
-    the slot holds no entry; `outputs`: the source sample ((source device * S + source
-    SparseCore) * B + sample id); `unique_slots`: t * U + k into the source device's unique
-    lists of target t (meaningless when routed without the side-car); `gains`: 0 where the slot
-    holds no entry.
+    Window w can hold real entries only in its first `used[w]` slots. Per slot: `rows`, the
+    owner-local table row (target SparseCore * rows_per_shard + embedding id), -1 where the slot
+    holds no entry; `samples`, the sample within the source SparseCore's batch (0 where no
+    entry); `gains`, 0 where no entry; `unique_slots`, t * U + k into the source device's unique
+    lists of target t (None when routed without the side-car; 0 where no entry).
     """
 
+    used: Array
     rows: Array
-    unique_slots: Array
-    outputs: Array
+    samples: Array
     gains: Array
+    unique_slots: Array | None
 
     @property
     def valid(self) -> Array:
         return self.rows >= 0
 
-
-@dataclasses.dataclass(frozen=True)
-class OwnedEntries:
-    """The entries one device owns, as G*S windows (source device, source SparseCore): window w
-    can hold real entries only in its first `used[w]` slots; `read(w, offset)` returns the chunk
-    starting at `offset` (a multiple of `geometry.chunk`)."""
-
-    used: Array
-    read: Callable[[Array, Array], EntryChunk]
-
     @staticmethod
-    def source_device(window: Array, geometry: KernelGeometry) -> Array:
+    def source_device(window: Array | int, geometry: KernelGeometry) -> Array | int:
         return window // geometry.sparsecores_per_device
 
 
@@ -86,28 +78,16 @@ def route_entries(
     """The entries this device owns, from its 1-D buffers (and the side-car's
     `entry_unique_index`, or None when only a lookup is needed)."""
     starts, ends = _partition_bounds(row_pointers, geometry)
-    s, c = geometry.sparsecores_per_device, geometry.chunk
+    s, g, p = geometry.sparsecores_per_device, geometry.num_devices, geometry.padded_window
     with_unique = entry_unique_index is not None
-    if geometry.num_devices == 1:
-
-        def read_in_place(window: Array, offset: Array) -> EntryChunk:
-            position = offset + jnp.arange(c, dtype=jnp.int32)
-            valid, target = _classify(position, starts[window], ends[window])
-            index = jnp.minimum(window * geometry.segment_size + position, geometry.coo_buffer_size - 1)
-            return EntryChunk(
-                rows=jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
-                unique_slots=jnp.where(valid, entry_unique_index[index], 0) if with_unique else position,
-                outputs=jnp.where(valid, window * geometry.batch_size_per_sparsecore + sample_ids[index], 0),
-                gains=jnp.where(valid, gains[index], 0.0),
-            )
-
-        return OwnedEntries(jnp.minimum(ends[:, -1], geometry.padded_window), read_in_place)
-
-    g = geometry.num_devices
+    # Each local SparseCore's window to each device: [S, G, S] partition bounds, [S, G, P] slots.
     starts, ends = starts.reshape(s, g, s), ends.reshape(s, g, s)
-    position = starts[..., :1] + jnp.arange(geometry.padded_window, dtype=jnp.int32)
+    position = starts[..., :1] + jnp.arange(p, dtype=jnp.int32)
     valid, target = _classify(position, starts, ends)
-    index = jnp.minimum(jnp.arange(s).reshape(s, 1, 1) * geometry.segment_size + position, geometry.coo_buffer_size - 1)
+    index = jnp.minimum(
+        jnp.arange(s, dtype=jnp.int32).reshape(s, 1, 1) * geometry.segment_size + position,
+        geometry.coo_buffer_size - 1,
+    )
     fields = [
         jnp.where(valid, target * geometry.rows_per_shard + embedding_ids[index], -1),
         jnp.where(valid, sample_ids[index], 0),
@@ -116,21 +96,19 @@ def route_entries(
     if with_unique:
         first_partition = jnp.arange(g, dtype=jnp.int32).reshape(1, g, 1) * s * geometry.unique_rows_per_partition
         fields.append(jnp.where(valid, entry_unique_index[index] - first_partition, 0))
-    payload = lax.all_to_all(jnp.stack(fields, axis=-1).swapaxes(0, 1), axis_name, split_axis=0, concat_axis=0)
-    payload = payload.reshape(g * s, geometry.padded_window, len(fields))
-    used = jnp.minimum(ends[..., -1] - starts[..., 0], geometry.padded_window).swapaxes(0, 1)
-    used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0).reshape(-1)
-
-    def read_received(window: Array, offset: Array) -> EntryChunk:
-        rows, samples, gain_bits, *unique = lax.dynamic_slice(payload, (window, offset, jnp.zeros_like(window)), (1, c, len(fields)))[0].T
-        return EntryChunk(
-            rows=rows,
-            unique_slots=unique[0] if with_unique else samples,
-            outputs=jnp.where(rows >= 0, window * geometry.batch_size_per_sparsecore + samples, 0),
-            gains=lax.bitcast_convert_type(gain_bits, jnp.float32),
-        )
-
-    return OwnedEntries(used, read_received)
+    payload = jnp.stack(fields).swapaxes(1, 2)  # [fields, target device, source SparseCore, P]
+    used = jnp.minimum(ends[..., -1] - starts[..., 0], p).swapaxes(0, 1)
+    if g > 1:
+        payload = lax.all_to_all(payload, axis_name, split_axis=1, concat_axis=1)
+        used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0)
+    rows, samples, gain_bits, *unique = payload.reshape(len(fields), g * s, p)
+    return OwnedEntries(
+        used=used.reshape(g * s),
+        rows=rows,
+        samples=samples,
+        gains=lax.bitcast_convert_type(gain_bits, jnp.float32),
+        unique_slots=unique[0] if with_unique else None,
+    )
 
 
 def route_unique_rows(unique_ids: Array, geometry: KernelGeometry, axis_name: str) -> Array:

@@ -17,7 +17,8 @@ import numpy as np
 
 from sparsecore.layout import StackedTable, round_up
 from sparsecore.preprocess.keys import KeyLayout
-from sparsecore.preprocess.partition import MergedPairs, exclusive_cumsum, select_pairs
+from sparsecore.preprocess.partition import MergedPairs, select_pairs
+from sparsecore.preprocess.unique_rows import UniqueRows
 from sparsecore.topology import Topology
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "BufferOverflowError",
     "BufferSizes",
     "PackedBuffers",
-    "UniqueRows",
     "buffer_sizes",
     "pack_chunk",
 ]
@@ -94,24 +94,6 @@ class BufferOverflowError(ValueError):
 
 
 @dataclass(frozen=True)
-class UniqueRows:
-    """Stand-in aid, derived from (never replacing) the hardware buffers: the distinct rows each
-    local device looks up in each partition, so a CPU kernel gathers every row once.
-
-    `unique_ids [L, N, U] int32`: ascending local rows (the buffers' embedding ids) of partition
-    p looked up by any SparseCore of device d, then pads (`PAD_ID`); `unique_counts [L, N] int32`:
-    how many are real. `entry_unique_index [L, C] int32`: for each real entry of
-    `embedding_ids[d]`, the flat index p * U + k into `unique_ids[d].reshape(N * U)` of its row
-    (so `embedding_ids[d, c] == unique_ids[d].reshape(-1)[entry_unique_index[d, c]]`); `PAD_ID`
-    on pad slots. U is `BufferSizes.unique_rows_per_partition`.
-    """
-
-    unique_ids: np.ndarray
-    unique_counts: np.ndarray
-    entry_unique_index: np.ndarray
-
-
-@dataclass(frozen=True)
 class PackedBuffers:
     """One stack's buffers for this host (leading dim L), preset to pads and filled chunk by
     chunk of local SparseCores; `unique` is present when the side-car is built."""
@@ -142,31 +124,6 @@ class PackedBuffers:
         )
 
 
-def _write_unique_rows(
-    unique: UniqueRows, pairs: MergedPairs, slots: np.ndarray, layout: KeyLayout, first: int
-) -> None:
-    """Distinct (device, partition, row) among a chunk's written entries, and each entry's
-    index; the chunk covers whole devices from local SparseCore `first` on."""
-    n, width = layout.num_sparsecores, unique.unique_ids.shape[-1]
-    groups, keys = pairs.row_group, pairs.row_group_key
-    if pairs.dropped_ids:
-        present = np.zeros(len(keys), dtype=bool)
-        present[groups] = True
-        groups = (np.cumsum(present) - 1)[groups]
-        keys = keys[present]
-    device_partition = layout.device_partition(keys)
-    counts = np.bincount(
-        device_partition, minlength=layout.buckets // layout.sparsecores_per_device
-    )
-    rank = np.arange(len(keys)) - exclusive_cumsum(counts)[device_partition]
-    first_row = first // layout.sparsecores_per_device * n
-    unique.unique_counts.reshape(-1)[first_row : first_row + len(counts)] = counts
-    unique_ids = unique.unique_ids.reshape(-1, width)
-    unique_ids[first_row + device_partition, rank] = layout.row_of_row_key(keys)
-    index_in_device = (device_partition & (n - 1)) * width + rank
-    unique.entry_unique_index.reshape(-1)[slots] = index_in_device[groups]
-
-
 def pack_chunk(
     stack: StackedTable,
     layout: KeyLayout,
@@ -175,13 +132,15 @@ def pack_chunk(
     buffers: PackedBuffers,
     first: int,
     allow_id_dropping: bool,
-) -> int:
-    """Write a chunk's `pairs` (local SparseCores from `first` on) into `buffers`, each at its
-    bucket's start plus its rank; return the raw ids dropped.
+) -> tuple[MergedPairs, np.ndarray]:
+    """Write a chunk's `pairs` (local SparseCores from `first` on) into `buffers`, each bucket's
+    pairs from its start on; return the pairs written and their slots (flat over the host's
+    devices).
 
     If a SparseCore's entries overflow its segment, filling stops at the segment end (later
     partitions get no entries, their row pointers equal the segment length) and the raw ids not
-    written are counted -- only with `allow_id_dropping`; otherwise `BufferOverflowError`.
+    written are counted as dropped -- only with `allow_id_dropping`; otherwise
+    `BufferOverflowError`.
     """
     n = layout.num_sparsecores
     segment = sizes.coo_buffer_size_per_sparsecore
@@ -192,21 +151,21 @@ def pack_chunk(
     if ends[:, -1].max(initial=0) > segment:
         needed = starts[:, -1] + rounded[:, -1]
         if not allow_id_dropping:
-            device, sparsecore = divmod(
-                first + int(np.argmax(needed)), layout.sparsecores_per_device
-            )
+            device, sparsecore = divmod(first + int(np.argmax(needed)), sizes.sparsecores_per_device)
             raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
         starts, ends = np.minimum(starts, segment), np.minimum(ends, segment)
-        pairs = select_pairs(pairs, pairs.rank < (ends - starts).reshape(-1)[pairs.bucket])
+        bucket = pairs.bucket_of_pairs()
+        rank = np.arange(len(pairs.keys)) - pairs.bucket_starts[bucket]
+        pairs = select_pairs(pairs, rank < (ends - starts).reshape(-1)[bucket], layout)
     chunk = slice(first, first + len(kept))
     offsets = (np.arange(first, chunk.stop)[:, None] * segment + starts).reshape(-1)
-    slots = offsets[pairs.bucket] + pairs.rank
-    buffers.embedding_ids.reshape(-1)[slots] = pairs.embedding_id
-    buffers.sample_ids.reshape(-1)[slots] = pairs.sample
-    buffers.gains.reshape(-1)[slots] = pairs.gain
+    slots = np.arange(len(pairs.keys)) + np.repeat(
+        offsets - pairs.bucket_starts[:-1], np.diff(pairs.bucket_starts)
+    )
+    buffers.embedding_ids.reshape(-1)[slots] = layout.row(pairs.keys)
+    buffers.sample_ids.reshape(-1)[slots] = pairs.samples
+    buffers.gains.reshape(-1)[slots] = pairs.gains
     row_pointers = buffers.row_pointers.reshape(-1, sizes.row_pointers_per_sparsecore)
     row_pointers[chunk, :n] = ends
     row_pointers[chunk, n:] = (ends[:, -1:] + 7) & ~7
-    if buffers.unique is not None:
-        _write_unique_rows(buffers.unique, pairs, slots, layout, first)
-    return pairs.dropped_ids
+    return pairs, slots

@@ -2,31 +2,34 @@
 
 For each stack: validate and expand every feature (`ragged`), then, chunk by chunk of this
 host's SparseCores, merge and limit per partition (`partition`) and pack into the static
-buffers (`pack`); finally gather the stats (`stats`). Buckets never span SparseCores, so chunks
-are independent: they keep the arrays small enough to stay in cache, and `preprocess` may run
-them on a few threads (NumPy releases the GIL in its sorts and loops).
+buffers (`pack`); then, device by device, build the unique-row side-car from the SparseCores'
+columns (`unique_rows`); finally gather the stats (`stats`). Buckets never span SparseCores, so
+chunks are independent: they keep the arrays small enough to stay in cache, and `preprocess` may
+run them (and the devices' side-cars) on a few threads (NumPy releases the GIL in its sorts and
+loops).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from sparsecore.layout import StackedTable
 from sparsecore.preprocess.keys import KeyLayout
-from sparsecore.preprocess.pack import (
-    BufferSizes,
-    PackedBuffers,
-    UniqueRows,
-    buffer_sizes,
-    pack_chunk,
-)
+from sparsecore.preprocess.pack import BufferSizes, PackedBuffers, buffer_sizes, pack_chunk
 from sparsecore.preprocess.partition import merge_pairs
 from sparsecore.preprocess.ragged import FeatureCoordinates, RaggedIds, expand_feature
 from sparsecore.preprocess.stats import PartitionStats
+from sparsecore.preprocess.unique_rows import (
+    SparseCoreColumns,
+    UniqueRows,
+    sparsecore_columns,
+    write_unique_rows,
+)
 from sparsecore.topology import Topology
 
 __all__ = ["PackedBatch", "preprocess", "preprocess_stack"]
@@ -65,17 +68,20 @@ class _StackWork:
     sizes: BufferSizes
     buffers: PackedBuffers
     chunks: tuple[tuple[int, int], ...]
+    sparsecores_per_device: int
 
 
 @dataclass(frozen=True)
 class _ChunkCounts:
-    """What the stats need from one chunk: per-bucket counts, per-table maxima, drops."""
+    """What the stats need from one chunk (per-bucket counts, per-table maxima, drops), and the
+    side-car its SparseCores' columns (empty without the side-car)."""
 
     ids_per_bucket: np.ndarray
     unique_per_bucket: np.ndarray
     table_ids_max: tuple[int, ...]
     table_unique_max: tuple[int, ...]
     dropped_ids: int
+    columns: list[SparseCoreColumns]
 
 
 def _check_topology(stack: StackedTable, topology: Topology) -> None:
@@ -86,13 +92,11 @@ def _check_topology(stack: StackedTable, topology: Topology) -> None:
         )
 
 
-def _chunks(num_ids: int, layout: KeyLayout, topology: Topology) -> tuple[tuple[int, int], ...]:
-    """Contiguous ranges of local SparseCores of about `CHUNK_IDS` ids each; whole devices for
-    device-major keys."""
-    unit = 1 if layout.sparsecore_major else topology.sparsecores_per_device
-    units = topology.local_sparsecores // unit
+def _chunks(num_ids: int, topology: Topology) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges of local SparseCores of about `CHUNK_IDS` ids each."""
+    units = topology.local_sparsecores
     count = min(units, max(1, -(-num_ids // CHUNK_IDS)))
-    bounds = [i * units // count * unit for i in range(count + 1)]
+    bounds = [i * units // count for i in range(count + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
@@ -106,7 +110,7 @@ def _prepare(
     missing = [f for f in stack.feature_names if f not in inputs]
     if missing:
         raise ValueError(f"stack {stack.name!r}: no input for feature(s) {missing}")
-    layout = KeyLayout.for_stack(stack, topology, sparsecore_major=not with_unique_rows)
+    layout = KeyLayout.for_stack(stack, topology)
     features = tuple(
         expand_feature(p, stack, layout, inputs[p.feature.name], topology) for p in stack.features
     )
@@ -117,7 +121,8 @@ def _prepare(
         features=features,
         sizes=sizes,
         buffers=PackedBuffers.empty(sizes, topology, with_unique_rows),
-        chunks=_chunks(sum(len(f.keys) for f in features), layout, topology),
+        chunks=_chunks(sum(len(f.keys) for f in features), topology),
+        sparsecores_per_device=topology.sparsecores_per_device,
     )
 
 
@@ -147,10 +152,10 @@ def _run_chunk(work: _StackWork, first: int, end: int, allow_id_dropping: bool) 
         gains,
         np.cumsum([0, *(hi - lo for lo, hi in spans)])[:-1],
         allow_id_dropping,
-        with_row_groups=work.buffers.unique is not None,
         first_sparsecore=first,
+        sparsecores_per_device=work.sparsecores_per_device,
     )
-    dropped = pack_chunk(
+    written, slots = pack_chunk(
         work.stack, layout, pairs, work.sizes, work.buffers, first, allow_id_dropping
     )
     return _ChunkCounts(
@@ -158,7 +163,8 @@ def _run_chunk(work: _StackWork, first: int, end: int, allow_id_dropping: bool) 
         pairs.unique_per_bucket,
         pairs.table_ids_max,
         pairs.table_unique_max,
-        dropped,
+        written.dropped_ids,
+        sparsecore_columns(layout, written, slots) if work.buffers.unique is not None else [],
     )
 
 
@@ -166,7 +172,7 @@ def _finish(work: _StackWork, counts: list[_ChunkCounts]) -> PackedBatch:
     """The batch and its stats: per-device maxima over SparseCores, required buffer per
     SparseCore, per-table maxima, drops."""
     stack, layout = work.stack, work.layout
-    shape = (-1, layout.sparsecores_per_device, layout.num_sparsecores)
+    shape = (-1, work.sparsecores_per_device, layout.num_sparsecores)
     ids = np.concatenate([c.ids_per_bucket for c in counts]).reshape(shape)
     unique = np.concatenate([c.unique_per_bucket for c in counts]).reshape(shape)
     table_ids = np.max([c.table_ids_max for c in counts], axis=0)
@@ -206,29 +212,50 @@ def preprocess(
     counted in `stats.id_drop_count`; without it those cases raise `PartitionLimitError` /
     `BufferOverflowError`, naming the stack, its tables and features, observed and configured
     values. `with_unique_rows` builds the CPU stand-in's side-car (`UniqueRows`); a TPU does not
-    need it. `num_threads` > 1 runs chunks of SparseCores on that many threads.
+    need it. `num_threads` > 1 runs chunks of SparseCores (then devices' side-cars) on that many
+    threads.
     """
     known = {name for stack in stacks for name in stack.feature_names}
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise ValueError(f"input for unknown feature(s) {unknown}; the stacks read {sorted(known)}")
     works = [_prepare(stack, inputs, topology, with_unique_rows) for stack in stacks]
-    tasks = [(work, first, end) for work in works for first, end in work.chunks]
+    results = _map(
+        lambda task: _run_chunk(*task, allow_id_dropping),
+        [(work, first, end) for work in works for first, end in work.chunks],
+        num_threads,
+    )
+    per_stack, start = [], 0
+    for work in works:
+        per_stack.append(results[start : start + len(work.chunks)])
+        start += len(work.chunks)
+    _map(_write_side_car, [task for w, r in zip(works, per_stack) for task in _side_car_tasks(w, r)], num_threads)
+    return {work.stack.name: _finish(work, counts) for work, counts in zip(works, per_stack)}
 
-    def run(task: tuple[_StackWork, int, int]) -> _ChunkCounts:
-        work, first, end = task
-        return _run_chunk(work, first, end, allow_id_dropping)
 
+def _map(fn: Callable[[Any], Any], tasks: list[Any], num_threads: int) -> list[Any]:
+    """`fn` over `tasks`, on up to `num_threads` threads."""
     if num_threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(min(num_threads, len(tasks))) as pool:
-            results = list(pool.map(run, tasks))
-    else:
-        results = [run(task) for task in tasks]
-    batches, start = {}, 0
-    for work in works:
-        batches[work.stack.name] = _finish(work, results[start : start + len(work.chunks)])
-        start += len(work.chunks)
-    return batches
+            return list(pool.map(fn, tasks))
+    return [fn(task) for task in tasks]
+
+
+def _side_car_tasks(
+    work: _StackWork, counts: list[_ChunkCounts]
+) -> list[tuple[_StackWork, int, list[SparseCoreColumns]]]:
+    """One task per local device of a stack with the side-car: the device and its SparseCores'
+    columns."""
+    if work.buffers.unique is None:
+        return []
+    columns = [c for chunk in counts for c in chunk.columns]
+    s = work.sparsecores_per_device
+    return [(work, d, columns[d * s : (d + 1) * s]) for d in range(len(columns) // s)]
+
+
+def _write_side_car(task: tuple[_StackWork, int, list[SparseCoreColumns]]) -> None:
+    work, device, columns = task
+    write_unique_rows(work.buffers.unique, device, columns, work.layout)
 
 
 def preprocess_stack(
@@ -241,4 +268,6 @@ def preprocess_stack(
     """Preprocess the features of one stack (`inputs` by feature name; extra keys are ignored)."""
     work = _prepare(stack, inputs, topology, with_unique_rows)
     results = [_run_chunk(work, first, end, allow_id_dropping) for first, end in work.chunks]
+    for task in _side_car_tasks(work, results):
+        _write_side_car(task)
     return _finish(work, results)

@@ -166,12 +166,12 @@ def _check_weights(name: str, ids: RaggedIds) -> np.ndarray | None:
 def _row_coordinates(
     rows: np.ndarray, placement: FeaturePlacement, layout: KeyLayout
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For output rows of one feature on this host: the key bits of their device and
-    SparseCore, and their SparseCore-local sample ids."""
+    """For output rows of one feature on this host: the key bits of their local SparseCore, and
+    their SparseCore-local sample ids."""
     local_sc = rows // placement.samples_per_sparsecore
     sample = rows - local_sc * placement.samples_per_sparsecore
     sample += placement.sample_offset_in_sparsecore
-    return layout.sample_part(local_sc), sample.astype(np.int32)
+    return layout.sparsecore_part(local_sc), sample.astype(np.int32)
 
 
 def _sequence_rows(name: str, lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:

@@ -10,11 +10,14 @@ all 8 tables stacked into one SparseCore stack. Limits come from one warm-up pas
   with one thread, keeping the faster (its OpenMP regions spin badly when the cores are shared);
 * the device step of `sparsecore.api.SparseCoreEmbedding` (lookup; lookup + fused update) on
   buffers already on the device;
-* host preprocessing (`sparsecore.preprocess.preprocess` + `put_batch`) of the same batch;
+* host preprocessing (`sparsecore.preprocess.preprocess` + `put_batch`) of the same batch, on
+  `--threads` threads: for the forward without the unique-row side-car (a lookup does not read
+  it), for training with it;
 
 and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, not absolute times,
 are the result: the steps of one configuration are timed interleaved (one repeat of each in turn),
-so a change in machine load hits all of them alike.
+so a change in machine load hits all of them alike. The load average (1 minute) is printed after
+each configuration, since other processes on a small machine move every number.
 
     .venv/bin/python -m benchmarks.sparsecore [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
 """
@@ -118,7 +121,9 @@ class Fbgemm:
 class SparseCore:
     """The SparseCore stand-in over the same tables and ids."""
 
-    def __init__(self, rows: int, dim: int, optimizer: optimizers.OptimizerSpec, topology: Topology, ids, grads) -> None:
+    def __init__(
+        self, rows: int, dim: int, optimizer: optimizers.OptimizerSpec, topology: Topology, ids, grads, threads: int
+    ) -> None:
         generous = BATCH * IDS_PER_BAG  # for the warm-up pass, which then sets the real limits
         tables = [
             TableSpec(f"table_{t}", rows, dim, optimizer=optimizer, max_ids_per_partition=generous, max_unique_ids_per_partition=generous)
@@ -128,6 +133,7 @@ class SparseCore:
         lengths = np.full(BATCH, IDS_PER_BAG)
         self.inputs = {f.name: RaggedIds(ids[t], lengths=lengths) for t, f in enumerate(features)}
         self.topology = topology
+        self.threads = threads
         stacks = stack_tables(features, topology, [StackGroup(tuple(t.name for t in tables))])
         warm = preprocess(stacks, self.inputs, topology)
         self.stacks = tuple(update_limits(s, warm[s.name].stats, margin=1.2) for s in stacks)
@@ -136,8 +142,16 @@ class SparseCore:
         self.batch = self.host_step()
         self.grads = {f.name: jnp.asarray(grads[t]) for t, f in enumerate(features)}
 
-    def host_step(self):
-        return self.engine.put_batch(preprocess(self.stacks, self.inputs, self.topology))
+    def host_step(self, with_unique_rows: bool = True):
+        """Preprocess the batch and move it to the device: with the side-car for training,
+        without it for a lookup."""
+        packed = preprocess(
+            self.stacks, self.inputs, self.topology, with_unique_rows=with_unique_rows, num_threads=self.threads
+        )
+        return self.engine.put_batch(packed)
+
+    def host_lookup_step(self):
+        return self.host_step(with_unique_rows=False)
 
     def forward(self) -> None:
         jax.block_until_ready(self.engine.lookup(self.tables, self.batch))
@@ -148,7 +162,7 @@ class SparseCore:
         jax.block_until_ready((activations, self.tables, self.slots))
 
 
-def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
+def run(rows: int, dim: int, topology: Topology, repeats: int, threads: int) -> list[tuple]:
     """Rows (step, FBGEMM ms, device ms, host ms) of one configuration. FBGEMM counts as the
     faster of torch's default thread count and one thread."""
     ids, grads = workload(rows, dim)
@@ -157,7 +171,7 @@ def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
         ("SGD", "EXACT_SGD", optimizers.SGD(learning_rate=LEARNING_RATE)),
         ("row-wise Adagrad", "EXACT_ROWWISE_ADAGRAD", optimizers.RowWiseAdagrad(learning_rate=LEARNING_RATE)),
     ):
-        ours = SparseCore(rows, dim, spec, topology, ids, grads)
+        ours = SparseCore(rows, dim, spec, topology, ids, grads, threads)
         baseline = Fbgemm(rows, dim, fbgemm_name, ids, grads)
         steps = {
             "host": ours.host_step,
@@ -167,12 +181,17 @@ def run(rows: int, dim: int, topology: Topology, repeats: int) -> list[tuple]:
         }
         if not results:
             steps.update(
-                forward=ours.forward,
-                **{"fbgemm forward": baseline.forward, "fbgemm forward 1 thread": baseline.single_threaded(baseline.forward)},
+                {
+                    "host lookup": ours.host_lookup_step,
+                    "forward": ours.forward,
+                    "fbgemm forward": baseline.forward,
+                    "fbgemm forward 1 thread": baseline.single_threaded(baseline.forward),
+                }
             )
         ms = interleaved_medians(steps, repeats)
         if not results:
-            results.append(("forward", min(ms["fbgemm forward"], ms["fbgemm forward 1 thread"]), ms["forward"], ms["host"]))
+            fbgemm = min(ms["fbgemm forward"], ms["fbgemm forward 1 thread"])
+            results.append(("forward", fbgemm, ms["forward"], ms["host lookup"]))
         fbgemm = min(ms["fbgemm train"], ms["fbgemm train 1 thread"])
         results.append((f"fwd+bwd+{label}", fbgemm, ms["train"], ms["host"]))
         del ours, baseline, steps  # free both copies of the tables before the next pair
@@ -187,22 +206,29 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="stand-in devices (JAX CPU devices)")
     parser.add_argument("--sparsecores", type=int, default=4, help="SparseCores per stand-in device")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="threads of host preprocessing")
     args = parser.parse_args()
     topology = Topology.cpu(args.devices, args.sparsecores)
     print(
         f"{TABLES} tables, batch {BATCH}, {IDS_PER_BAG} ids/bag, Zipf(1.05), sum pooling; stand-in: "
-        f"{args.devices} device(s) x {args.sparsecores} SparseCores; medians of {args.repeats}; ms"
+        f"{args.devices} device(s) x {args.sparsecores} SparseCores; host preprocessing on "
+        f"{args.threads} thread(s); medians of {args.repeats}; ms; load average at start {_load()}"
     )
     header = f"{'rows':>9} {'dim':>4}  {'step':<26}{'FBGEMM':>8}{'device':>9}{'host prep':>11}{'prep+dev':>10}{'device/FB':>11}{'total/FB':>10}"
     print(header)
     for rows in args.rows:
         for dim in args.dims:
-            for step, fbgemm_ms, device_ms, host_ms in run(rows, dim, topology, args.repeats):
+            for step, fbgemm_ms, device_ms, host_ms in run(rows, dim, topology, args.repeats, args.threads):
                 total = device_ms + host_ms
                 print(
                     f"{rows:>9} {dim:>4}  {step:<26}{fbgemm_ms:>8.2f}{device_ms:>9.2f}{host_ms:>11.2f}"
                     f"{total:>10.2f}{device_ms / fbgemm_ms:>10.2f}x{total / fbgemm_ms:>9.2f}x"
                 )
+            print(f"{'':>15}load average {_load()}", flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -145,6 +145,14 @@ class ExchangeSizes:
         """`rank`'s (input, output) split sizes."""
         return self.send[rank].tolist(), self.send[:, rank].tolist()
 
+    def gloo_splits(self, rank: int) -> tuple[list[int], list[int]]:
+        """`rank`'s split sizes as gloo's all-to-all takes them: none when every rank sends every
+        rank the same (non-empty) rows, which runs gloo's even all-to-all, faster than its uneven
+        one."""
+        if self.row_numel and self.send[0, 0] and (self.send == self.send[0, 0]).all():
+            return [], []
+        return self.splits(rank)
+
 
 def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:
     """The agreed sizes; raises unless every rank sends each peer exactly what that peer expects.

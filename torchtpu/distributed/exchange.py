@@ -102,9 +102,10 @@ class SizeExchange:
         """This rank's part of the guessed exchange when its own call differs from the guess:
         the guessed bytes, sent from and received into scratch buffers."""
         send, recv = guess.splits(self._rank)
+        gloo_send, gloo_recv = guess.gloo_splits(self._rank)
         source = torch.zeros((sum(send), guess.row_numel), dtype=guess.dtype)
         scratch = torch.empty((sum(recv), guess.row_numel), dtype=guess.dtype)
-        return self._gloo.alltoall_base(scratch, source, recv, send, opts)
+        return self._gloo.alltoall_base(scratch, source, gloo_recv, gloo_send, opts)
 
 
 def _finish(work: dist.Work) -> None:

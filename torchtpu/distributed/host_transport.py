@@ -260,7 +260,7 @@ class HostTransport:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
                           opts: dist.AllToAllOptions) -> TpuWork:
         s = _Staging(self._buffers)
-        input_splits, output_splits = sizes.splits(self._rank)
+        input_splits, output_splits = sizes.gloo_splits(self._rank)
         work = self._gloo.alltoall_base(s.receive(output), s.read(input), output_splits, input_splits, opts)
         return self._launch("all_to_all_single", s, work, [output])
 
@@ -268,7 +268,7 @@ class HostTransport:
         """The list form, as one uneven all-to-all of the concatenated tensors: gloo's own list
         form hangs when the tensors differ in size."""
         s = _Staging(self._buffers)
-        input_splits, output_splits = sizes.splits(self._rank)
+        input_splits, output_splits = sizes.gloo_splits(self._rank)
         work = self._gloo.alltoall_base(s.receive_flat(outputs), s.read_flat(inputs), output_splits, input_splits, opts)
         return self._launch("all_to_all", s, work, outputs)
 

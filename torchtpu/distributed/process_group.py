@@ -161,7 +161,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
         def launch(sizes: checks.ExchangeSizes) -> dist.Work:
             if backend is self._gloo:
-                send_splits, recv_splits = sizes.splits(self.rank())
+                send_splits, recv_splits = sizes.gloo_splits(self.rank())
                 return self._gloo.alltoall_base(output, input, recv_splits, send_splits, opts)
             return backend.all_to_all_single(output, input, sizes, opts)
 

@@ -95,3 +95,12 @@ def test_shape_checks():
         checks.same_dtype("c", [a, torch.empty(3, dtype=torch.int64, device="meta")])
     with pytest.raises(ValueError, match=r"input rows have shape \(2,\) but output rows have shape \(3,\)"):
         checks.row_shapes("c", torch.empty(4, 3, device="meta"), torch.empty(4, 2, device="meta"))
+
+
+def test_gloo_runs_its_even_all_to_all_only_when_every_rank_sends_every_rank_the_same():
+    def sizes(sends):
+        return checks.check_exchange_table("x", _table(sends, np.array(sends).T.tolist()), "rows", "a", "b")
+
+    assert sizes([[2, 2], [2, 2]]).gloo_splits(1) == ([], [])
+    assert sizes([[2, 2], [2, 3]]).gloo_splits(1) == ([2, 3], [2, 3])
+    assert sizes([[0, 0], [0, 0]]).gloo_splits(0) == ([0, 0], [0, 0])

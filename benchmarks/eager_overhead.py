@@ -3,7 +3,8 @@
     python benchmarks/eager_overhead.py [--iters 2000] [--size 4]
 
 Each op runs `iters` times on the same small inputs (size x size); the device is synchronised
-once at the end, so the time per op is the dispatch cost an eager program pays. Rows: PyTorch
+once at the end, so the time per op is the dispatch cost an eager program pays; each cell is the
+fastest of `--repeats` interleaved runs, since a shared machine only ever adds time. Rows: PyTorch
 CPU eager, raw `jax.numpy` (JAX's own eager dispatch of a cached primitive), torchtpu strict
 (one cached XLA program per op) and torchtpu defer (recording the op; the fused program runs at
 the final sync). Goal: strict within 2x of raw JAX dispatch (torchax pays 160-380 us per op).
@@ -56,6 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="each cell is the fastest of this many interleaved runs (the machine may be shared)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import jax
@@ -69,12 +72,14 @@ def main() -> None:
     }
     print(f"{'op':8}" + "".join(f"{name:>16}" for name in backends) + f"{'strict/jax':>12}")
     for op, fn in OPS.items():
-        costs = {}
-        for name, (x, y, sync) in backends.items():
-            with torchtpu.eager_mode("defer" if name == "tpu defer" else "strict"):
-                costs[name] = _per_op(fn, x, y, args.iters, sync)
+        costs = {name: float("inf") for name in backends}
+        for _ in range(args.repeats):
+            for name, (x, y, sync) in backends.items():
+                with torchtpu.eager_mode("defer" if name == "tpu defer" else "strict"):
+                    costs[name] = min(costs[name], _per_op(fn, x, y, args.iters, sync))
         row = "".join(f"{costs[name] * 1e6:13.1f} us" for name in backends)
         print(f"{op:8}{row}{costs['tpu strict'] / costs['raw jax.numpy']:12.2f}")
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
 
 
 if __name__ == "__main__":

@@ -39,14 +39,15 @@ class _Stats:
         self.lock = threading.Lock()
 
     def add(self, device: int, nbytes: int) -> None:
+        allocated = self.allocated
         with self.lock:
-            now = self.allocated.get(device, 0) + nbytes
-            self.allocated[device] = now
-            if now > self.peak.get(device, 0):
+            now = allocated[device] = allocated.get(device, 0) + nbytes
+            if nbytes > 0 and now > self.peak.get(device, 0):
                 self.peak[device] = now
 
 
 stats = _Stats()
+_ITEMSIZE = {dtype: dtypes.itemsize(dtype) for dtype in dtypes.SUPPORTED}
 
 
 class DeviceBuffer:
@@ -65,13 +66,13 @@ class DeviceBuffer:
         self.dtype = dtype
         self.numel = numel
         self.device = device
-        self.nbytes = numel * dtypes.itemsize(dtype)
+        self.nbytes = nbytes = numel * _ITEMSIZE[dtype]
         # Raw bytes (e.g. a storage restored by torch.load): the first tensor that reads it with
         # another dtype decides the element type (see `retype`).
         self.untyped = untyped
         # Spread over the devices of `torchtpu.sharding.mesh()` (see torchtpu.sharding).
         self.sharded = False
-        stats.add(device, self.nbytes)
+        stats.add(device, nbytes)
 
     def retype(self, dtype: torch.dtype) -> None:
         """Reinterpret raw bytes as elements of `dtype`, once, so later reads take the fast path."""
@@ -193,7 +194,8 @@ class _AddressSpace:
     """
 
     _BASE = 1 << 56
-    _ALIGN = 64
+    ALIGN = 64
+    CHUNK = 1 << 36  # what a thread reserves at once for the tensors it makes (`_Maker`)
 
     def __init__(self) -> None:
         self.next = self._BASE
@@ -202,7 +204,7 @@ class _AddressSpace:
     def reserve(self, nbytes: int) -> int:
         with self.lock:
             address = self.next
-            self.next += (max(nbytes, 1) + self._ALIGN - 1) // self._ALIGN * self._ALIGN
+            self.next += (max(nbytes, 1) + self.ALIGN - 1) // self.ALIGN * self.ALIGN
         return address
 
 
@@ -223,6 +225,68 @@ def attach(t: torch.Tensor, buffer: DeviceBuffer, sizes, strides, offset: int = 
     return t
 
 
+class _Maker(threading.local):
+    """A thread's DLPack descriptors for making tensors over a fresh storage in one call.
+
+    `torch._C._from_dlpack` builds a TensorImpl with a descriptor's sizes and strides over a new
+    storage of exactly the bytes they span, at the descriptor's (device) address. Descriptors
+    have no deleter and live as long as the process (each storage made from one keeps a pointer
+    to it, read when the storage is freed), so there is one per thread and layout (device, dtype,
+    sizes, strides), reused for every tensor of that layout with only the address changed."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, tuple[Any, int]] = {}
+        # A range of addresses this thread hands out without taking the global lock.
+        self.next = self.end = 0
+
+    def _address(self, nbytes: int) -> int:
+        size = (max(nbytes, 1) + _AddressSpace.ALIGN - 1) // _AddressSpace.ALIGN * _AddressSpace.ALIGN
+        address = self.next
+        if address + size > self.end:
+            chunk = max(size, _AddressSpace.CHUNK)
+            address = _addresses.reserve(chunk)
+            self.end = address + chunk
+        self.next = address + size
+        return address
+
+    def _descriptor(self, layout: tuple) -> tuple[Any, int]:
+        device, dtype, sizes, strides = layout
+        ndim = len(sizes)
+        shape = (ctypes.c_int64 * max(ndim, 1))(*sizes)
+        steps = (ctypes.c_int64 * max(ndim, 1))(*strides)
+        managed = _DLManagedTensor()
+        managed.dl_tensor.device = _DLDevice(_KDL_EXT_DEV, device)
+        managed.dl_tensor.dtype = _DLDataType(*_DL_CODES[dtype], 1)
+        managed.dl_tensor.ndim = ndim
+        managed.dl_tensor.shape = shape
+        managed.dl_tensor.strides = steps
+        with _seed_lock:
+            _seed_keepalive.append((managed, shape, steps))
+        descriptor = self.layouts[layout] = (managed.dl_tensor, ctypes.addressof(managed))
+        return descriptor
+
+    def make(self, buffer: DeviceBuffer, sizes: tuple, strides: tuple) -> torch.Tensor:
+        layout = (buffer.device, buffer.dtype, sizes, strides)
+        descriptor = self.layouts.get(layout)
+        if descriptor is None:
+            descriptor = self._descriptor(layout)
+        tensor, address = descriptor
+        tensor.data = self._address(buffer.nbytes)
+        t = _from_dlpack(_capsule_new(address, b"dltensor", None))
+        setattr(t.untyped_storage(), BUFFER_ATTR, buffer)
+        return t
+
+
+_from_dlpack = torch._C._from_dlpack
+_maker = _Maker()
+
+
+def whole_tensor(buffer: DeviceBuffer, sizes: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """A new `tpu` tensor of `buffer.dtype` whose geometry (offset 0) spans exactly `buffer`, as
+    the executors' fresh outputs do."""
+    return _maker.make(buffer, tuple(sizes), tuple(strides))
+
+
 def new_tensor(
     buffer: DeviceBuffer,
     sizes: Sequence[int],
@@ -231,8 +295,16 @@ def new_tensor(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """A new `tpu` tensor on `buffer.device` viewing `buffer` (dtype defaults to the buffer's)."""
+    if strides is None:
+        strides = contiguous_strides(sizes)
+    if (
+        offset == 0
+        and (dtype is None or dtype == buffer.dtype)
+        and storage_numel(sizes, strides) == buffer.numel
+    ):
+        return _maker.make(buffer, tuple(sizes), tuple(strides))
     t = _seed(buffer.device, dtype or buffer.dtype).data
-    return attach(t, buffer, sizes, contiguous_strides(sizes) if strides is None else strides, offset)
+    return attach(t, buffer, sizes, strides, offset)
 
 
 def empty(sizes: Sequence[int], dtype: torch.dtype, device: int, strides=None) -> torch.Tensor:

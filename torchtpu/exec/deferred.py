@@ -33,7 +33,7 @@ import numpy as np
 
 from torchtpu import counters, dtypes, runtime
 from torchtpu.exec import checks, eager, opcall
-from torchtpu.storage import DeviceBuffer, new_tensor
+from torchtpu.storage import DeviceBuffer, whole_tensor
 
 MAX_PENDING_OPS = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "1024"))
 MIN_LOOP_OPS = 8
@@ -116,7 +116,7 @@ def record(call: opcall.Call) -> Any:
     A call on sharded tensors (spread over the mesh) is not fused with single-device work: the
     pending graph runs first, then the call runs on its own."""
     with _state.lock:
-        if any(spec.sharded for spec in call.storages):
+        if getattr(call, "plan", None) is None and any(spec.sharded for spec in call.storages):
             flush("sharded op")
             return eager.run(call)
         return _record(call)
@@ -139,7 +139,16 @@ def _record(call: opcall.Call) -> Any:
         _state.boundary = _state.last_key
     _state.last_key = call.key
     graph = _state.graph
-    program = opcall.program_for(call)
+    plan = getattr(call, "plan", None)
+    if plan is None:
+        program = opcall.program_for(call)
+        shapes = _output_avals(call, program)
+    else:
+        program = plan.program
+        if program is None:
+            program = plan.program = opcall.program_for(call)
+            plan.avals = _output_avals(call, program)
+        shapes = plan.avals
     buffers = call.buffers
     wiring = []
     for storage in program.inputs:
@@ -162,7 +171,6 @@ def _record(call: opcall.Call) -> Any:
     graph.devices.add(call.device)
     counters.count("defer_ops_recorded")
 
-    shapes = _output_avals(call, program)
     n_written = len(program.written)
     for i, storage in enumerate(program.written):
         buffer = buffers[storage]
@@ -173,7 +181,7 @@ def _record(call: opcall.Call) -> Any:
         promise = Pending(graph, node_index, n_written + j, *shapes[n_written + j])
         buffer = DeviceBuffer(spec.dtype, spec.numel, call.device, promise)
         graph.owners.append(weakref.ref(buffer))
-        new.append(new_tensor(buffer, spec.sizes, spec.strides))
+        new.append(whole_tensor(buffer, spec.sizes, spec.strides))
     n_host = len(shapes) - n_written - len(program.new) - len(program.checks)
     host = []
     if n_host:

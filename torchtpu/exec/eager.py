@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 from torchtpu import counters, runtime
 from torchtpu.exec import checks, modes, opcall
 from torchtpu.sharding import is_sharded, replicated
-from torchtpu.storage import DeviceBuffer, new_tensor
+from torchtpu.storage import DeviceBuffer, whole_tensor
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Executable:
     n_written: int
     n_new: int
     sharded: bool  # reads buffers spread over a mesh: XLA's SPMD partitioner places outputs
+    all_inputs: bool  # every storage of the call is an input (none is uninitialised)
 
 
 _cache: dict[tuple, Executable] = {}
@@ -40,6 +41,7 @@ _cache: dict[tuple, Executable] = {}
 
 def clear_cache() -> None:
     _cache.clear()
+    opcall.clear_plans()
 
 
 def _compile(call: opcall.Call) -> Executable:
@@ -57,7 +59,8 @@ def _compile(call: opcall.Call) -> Executable:
     counters.count("eager_programs")
     counters.count_op("eager_programs_by_op", str(call.key[0]))
     _note_compile(call.key)
-    exe = Executable(program, jitted, len(program.written), len(program.new), sharded)
+    all_inputs = program.inputs == tuple(range(len(call.buffers)))
+    exe = Executable(program, jitted, len(program.written), len(program.new), sharded, all_inputs)
     _cache[call.key] = exe
     return exe
 
@@ -88,21 +91,32 @@ def describe_key_difference(a: tuple, b: tuple) -> str:
     return compiled.describe_key_difference(a, b)
 
 
-def run(call: opcall.Call) -> Any:
+def run(call: opcall.Inputs) -> Any:
     """Run one encoded call now (strict/debug modes) and return its Python result."""
-    exe = _cache.get(call.key)
-    compiled_now = exe is None
-    if compiled_now:
-        start = time.perf_counter()
-        exe = _compile(call)
+    plan = getattr(call, "plan", None)
+    exe = plan.executable if plan is not None else None
+    if exe is None:
+        exe = _cache.get(call.key)
+        compiled_now = exe is None
+        if compiled_now:
+            start = time.perf_counter()
+            exe = _compile(call)
+        if plan is not None:
+            plan.executable = exe
     else:
+        compiled_now = False
+    if not compiled_now:
         counters.count("eager_cache_hits")
     buffers = call.buffers
     program = exe.program
-    inputs = [buffers[i].value for i in program.inputs]
     if exe.sharded:
+        inputs = [buffers[i].value for i in program.inputs]
         inputs = [v if buffers[i].sharded else replicated(v) for i, v in zip(program.inputs, inputs)]
-    outs = exe.jitted(*inputs, *call.dynamic)
+        outs = exe.jitted(*inputs, *call.dynamic)
+    elif exe.all_inputs:
+        outs = exe.jitted(*[buffer.value for buffer in buffers], *call.dynamic)
+    else:
+        outs = exe.jitted(*[buffers[i].value for i in program.inputs], *call.dynamic)
     if compiled_now:
         counters.add_time("eager_compile", time.perf_counter() - start)
     if modes.current() == "debug":
@@ -112,26 +126,30 @@ def run(call: opcall.Call) -> Any:
     return finish(call, program, outs, exe.sharded)
 
 
-def finish(call: opcall.Call, program: opcall.Program, outs, sharded: bool = False) -> Any:
+def finish(call: opcall.Inputs, program: opcall.Program, outs, sharded: bool = False) -> Any:
     """Install a program's outputs: replace mutated buffers, wrap new tensors, read host values."""
     buffers = call.buffers
-    n_written = len(program.written)
-    for i, storage in enumerate(program.written):
+    written = program.written
+    for i, storage in enumerate(written):
         buffers[storage].value = outs[i]
         if sharded:
             buffers[storage].sharded = is_sharded(outs[i])
-    new = []
     device = call.device
-    for j, spec in enumerate(program.new):
-        buffer = DeviceBuffer(spec.dtype, spec.numel, device, outs[n_written + j])
+    new = []
+    for position, spec in enumerate(program.new, len(written)):
+        buffer = DeviceBuffer(spec.dtype, spec.numel, device, outs[position])
         if sharded:
             buffer.sharded = is_sharded(buffer.value)
-        new.append(new_tensor(buffer, spec.sizes, spec.strides))
+        new.append(whole_tensor(buffer, spec.sizes, spec.strides))
     n_checks = len(program.checks)
     end = len(outs) - n_checks
     if n_checks:
         checks.add(outs[end:], program.checks)
         if modes.current() == "debug":
             checks.raise_pending()
-    host = [np.asarray(v).item() for v in outs[n_written + len(program.new):end]]
-    return opcall.assemble(program.result, call, new, host)
+    start = len(written) + len(program.new)
+    host = [np.asarray(v).item() for v in outs[start:end]] if end > start else []
+    result = program.result
+    if result[0] == "new":
+        return new[result[1]]
+    return opcall.assemble(result, call, new, host)

@@ -43,12 +43,23 @@ def lowering_for(op: OpOverload) -> registry.Lowering | None:
     return registry.get(functional) if functional is not None else None
 
 
+_encoders: dict[OpOverload, opcall.Encoder] = {}
+
+
+def encoder_for(op: OpOverload) -> opcall.Encoder:
+    """The op's encoder (which remembers its calls' argument layouts)."""
+    encoder = _encoders.get(op)
+    if encoder is None:
+        lowering = lowering_for(op)
+        if lowering is None:
+            raise opcall.NoLowering(str(op))
+        encoder = _encoders[op] = opcall.Encoder(op, lowering)
+    return encoder
+
+
 def execute(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run (or record) a call of an op that has a lowering."""
-    lowering = lowering_for(op)
-    if lowering is None:
-        raise opcall.NoLowering(str(op))
-    return submit(opcall.encode(op, args, kwargs, lowering))
+    return submit(encoder_for(op).encode(args, kwargs))
 
 
 def submit(call: opcall.Inputs) -> Any:
@@ -61,8 +72,13 @@ def submit(call: opcall.Inputs) -> Any:
 
 
 def _lowered_kernel(op: OpOverload):
+    encoder: opcall.Encoder | None = None
+
     def kernel(*args, **kwargs):
-        return execute(op, args, kwargs)
+        nonlocal encoder
+        if encoder is None:
+            encoder = encoder_for(op)
+        return submit(encoder.encode(args, kwargs))
 
     kernel.__name__ = f"tpu_{op.__name__}"
     return kernel

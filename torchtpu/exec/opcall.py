@@ -157,7 +157,7 @@ class Inputs:
 class Call(Inputs):
     """One ATen call's runtime side: the buffers and values to feed its Program."""
 
-    __slots__ = ("op", "sig", "values", "key", "lowering")
+    __slots__ = ("op", "sig", "values", "key", "lowering", "plan")
 
     def __init__(self, op: OpOverload, sig: Signature, values: list, lowering) -> None:
         super().__init__(op)
@@ -166,6 +166,7 @@ class Call(Inputs):
         self.values = values
         self.lowering = lowering
         self.key: tuple = ()
+        self.plan: Plan | None = None
 
     def build(self) -> "Program":
         return build(self)
@@ -189,6 +190,173 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
     if lowering.random:
         call.dynamic.append(tpu_random.next_key_words(call.device))
     return call
+
+
+class Plan:
+    """What one argument layout of an op resolves to: its compile key and what the executors
+    derive from that key once (the strict executable, the deferred executor's Program and output
+    shapes), reused by every later call with the same layout."""
+
+    __slots__ = ("key", "storages", "device", "value_classes", "executable", "program", "avals")
+
+    def __init__(self, call: Call) -> None:
+        self.key = call.key
+        self.storages = tuple(call.storages)
+        self.device = call.device
+        # Classes of Scalar values this key was checked with (shared with `_validate_values`).
+        self.value_classes = _validated.setdefault(call.key, set()) if call.dynamic else None
+        self.executable: Any = None
+        self.program: Program | None = None
+        self.avals: list | None = None
+
+
+class _General(Exception):
+    """The call needs the general encoding (`encode`): a CPU or meta tensor, a storage without
+    its element type yet, a sharded storage, an argument of another kind than usual."""
+
+
+_NUMBERS = (bool, int, float, complex)
+_encoders: list["Encoder"] = []
+
+
+class Encoder:
+    """Encodes the calls of one op, remembering each argument layout's compile key.
+
+    The compile key `encode` builds depends on a call's layout only: the precision mode; each
+    tensor's storage (which earlier argument shares it), dtype, sizes, strides, offset and math
+    bits; each storage's dtype, size, initialisation and device; which Scalars are runtime values
+    (and their types); every static value. `encode` reads and checks every argument (devices,
+    CPU scalars, index tensors, out= resizing); once it has accepted a layout, later calls with
+    that layout are read with one pass over the arguments and go straight to the layout's `Plan`.
+    The Scalar value checks (`_validate_values`) still run for every call."""
+
+    def __init__(self, op: OpOverload, lowering: registry.Lowering) -> None:
+        self.op = op
+        self.lowering = lowering
+        self.sig = signature(op)
+        dynamic = lowering.dynamic_scalars
+        self.args = tuple((arg.kind, dynamic, arg.has_default, arg.default) for arg in self.sig.args)
+        # out= calls resize their outputs first (`_resize_outs`): they always take `encode`.
+        self.remembers = not self.sig.is_out
+        self.plans: dict[tuple, Plan] = {}
+        _encoders.append(self)
+
+    def encode(self, args: tuple, kwargs: dict) -> Call:
+        layout = None
+        if self.remembers:
+            try:
+                values = self.sig.normalize(args, kwargs)
+                layout, buffers, dynamic = self._layout(values)
+                plan = self.plans.get(layout)
+            except (_General, TypeError, AttributeError):
+                plan = layout = None
+            if plan is not None:
+                return self._planned(plan, values, buffers, dynamic)
+        call = encode(self.op, args, kwargs, self.lowering)
+        if layout is not None:
+            self._remember(layout, buffers, dynamic, call)
+        return call
+
+    def _remember(self, layout: tuple, buffers: list, dynamic: list, call: Call) -> None:
+        n_dynamic = len(call.dynamic) - int(self.lowering.random)
+        if (
+            len(buffers) == len(call.buffers)
+            and all(a is b for a, b in zip(buffers, call.buffers))
+            and len(dynamic) == n_dynamic
+            and not any(spec.sharded for spec in call.storages)
+        ):
+            call.plan = self.plans[layout] = Plan(call)
+
+    def _planned(self, plan: Plan, values: list, buffers: list, dynamic: list) -> Call:
+        call = Call.__new__(Call)
+        call.op = self.op
+        call.sig = self.sig
+        call.values = values
+        call.lowering = self.lowering
+        call.key = plan.key
+        call.plan = plan
+        call.buffers = buffers
+        call.storages = plan.storages
+        call.dynamic = dynamic
+        call.device = plan.device
+        if dynamic:
+            kind = _values_class(dynamic)
+            if kind not in plan.value_classes:
+                _run_meta(call)
+                plan.value_classes.add(kind)
+        if self.lowering.random:
+            dynamic.append(tpu_random.next_key_words(plan.device))
+        return call
+
+    def _layout(self, values: list) -> tuple[tuple, list, list]:
+        buffers: list[DeviceBuffer] = []
+        seen: dict[int, int] = {}
+        dynamic: list = []
+        parts = []
+        for (kind, dynamic_scalars, has_default, default), v in zip(self.args, values):
+            if v is None:
+                parts.append(None)
+            elif kind is _TENSOR:
+                if type(v) in _NUMBERS:
+                    dynamic.append(v)  # a wrapped number
+                    parts.append(type(v))
+                    continue
+                buffer = getattr(v.untyped_storage(), BUFFER_ATTR, None)
+                if buffer is None or buffer.untyped or buffer.sharded:
+                    raise _General
+                index = seen.get(id(buffer))
+                if index is None:
+                    index = seen[id(buffer)] = len(buffers)
+                    buffers.append(buffer)
+                parts.append((index, v.dtype, v.shape, v.stride(), v.storage_offset(), v.is_conj(), v.is_neg()))
+            elif kind is _STATIC:
+                parts.append(_freeze(v) if isinstance(v, (list, tuple)) else v)
+            elif kind is _SCALAR:
+                if not dynamic_scalars or (has_default and v == default and type(v) is type(default)):
+                    parts.append((type(v), v))
+                elif type(v) in _NUMBERS:
+                    dynamic.append(v)
+                    parts.append(type(v))
+                else:
+                    raise _General
+            elif kind is _TENSOR_LIST:
+                parts.append(tuple([None if t is None else _tensor_layout(t, buffers, seen) for t in v]))
+            else:  # SCALAR_LIST
+                items = []
+                for x in v:
+                    if not dynamic_scalars or x is None:
+                        items.append((type(x), x))
+                    elif type(x) in _NUMBERS:
+                        dynamic.append(x)
+                        items.append(type(x))
+                    else:
+                        raise _General
+                parts.append(tuple(items))
+        if not buffers:
+            raise _General  # the device comes from a device argument or the current device
+        storages = tuple([(b.dtype, b.numel, b.value is not None, b.device) for b in buffers])
+        return (precision.get_mode(), tuple(parts), storages), buffers, dynamic
+
+
+def _tensor_layout(t, buffers: list, seen: dict) -> tuple:
+    """A `tpu` tensor argument's part of a layout (and its storage's buffer, once per storage)."""
+    buffer = getattr(t.untyped_storage(), BUFFER_ATTR, None)
+    if buffer is None or buffer.untyped or buffer.sharded:
+        raise _General
+    index = seen.get(id(buffer))
+    if index is None:
+        index = seen[id(buffer)] = len(buffers)
+        buffers.append(buffer)
+    return (index, t.dtype, t.shape, t.stride(), t.storage_offset(), t.is_conj(), t.is_neg())
+
+
+_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = ArgKind.TENSOR, ArgKind.TENSOR_LIST, ArgKind.SCALAR, ArgKind.STATIC
+
+
+def clear_plans() -> None:
+    """Forget every remembered layout (their plans hold compiled executables)."""
+    for encoder in _encoders:
+        encoder.plans.clear()
 
 
 def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowering) -> Call:

@@ -205,7 +205,11 @@ class _Staging:
 
 
 class HostTransport:
-    """c10d collectives on tpu tensors (the methods and arguments of a c10d Backend), over gloo."""
+    """c10d collectives on tpu tensors (the methods and arguments of a c10d Backend), over gloo.
+
+    Each call reads its inputs before it stages its outputs: an output that is also an input
+    (in place, or aliasing it) is then claimed while the input's host view exists, so it gets
+    memory of its own and gloo never writes what it still has to read."""
 
     def __init__(self, gloo: dist.ProcessGroupGloo, rank: int) -> None:
         self._gloo = gloo
@@ -231,19 +235,21 @@ class HostTransport:
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
         s = _Staging(self._buffers)
-        source = self._rank == opts.rootRank
-        host = [s.read(t) if source and i == opts.rootTensor else s.receive(t) for i, t in enumerate(tensors)]
+        root = opts.rootTensor if self._rank == opts.rootRank else None
+        source = s.read(tensors[root]) if root is not None else None
+        host = [source if i == root else s.receive(t) for i, t in enumerate(tensors)]
         return self._launch("broadcast", s, self._gloo.broadcast(host, opts), tensors)
 
     def allgather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.AllgatherOptions) -> TpuWork:
         s = _Staging(self._buffers)
-        host_out = [[s.receive(t) for t in group] for group in outputs]
-        work = self._gloo.allgather(host_out, [s.read(t) for t in inputs], opts)
+        host_in = [s.read(t) for t in inputs]
+        work = self._gloo.allgather([[s.receive(t) for t in group] for group in outputs], host_in, opts)
         return self._launch("all_gather", s, work, [t for group in outputs for t in group])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
         s = _Staging(self._buffers)
-        work = self._gloo._allgather_base(s.receive(output), s.read(input), opts)
+        host_in = s.read(input)
+        work = self._gloo._allgather_base(s.receive(output), host_in, opts)
         return self._launch("all_gather_into_tensor", s, work, [output])
 
     def reduce_scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ReduceScatterOptions) -> TpuWork:
@@ -254,14 +260,16 @@ class HostTransport:
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions) -> TpuWork:
         s = _Staging(self._buffers)
-        work = self._gloo._reduce_scatter_base(s.receive(output), s.read(input), opts)
+        host_in = s.read(input)
+        work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
                           opts: dist.AllToAllOptions) -> TpuWork:
         s = _Staging(self._buffers)
         input_splits, output_splits = sizes.gloo_splits(self._rank)
-        work = self._gloo.alltoall_base(s.receive(output), s.read(input), output_splits, input_splits, opts)
+        host_in = s.read(input)
+        work = self._gloo.alltoall_base(s.receive(output), host_in, output_splits, input_splits, opts)
         return self._launch("all_to_all_single", s, work, [output])
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
@@ -269,7 +277,8 @@ class HostTransport:
         form hangs when the tensors differ in size."""
         s = _Staging(self._buffers)
         input_splits, output_splits = sizes.gloo_splits(self._rank)
-        work = self._gloo.alltoall_base(s.receive_flat(outputs), s.read_flat(inputs), output_splits, input_splits, opts)
+        host_in = s.read_flat(inputs)
+        work = self._gloo.alltoall_base(s.receive_flat(outputs), host_in, output_splits, input_splits, opts)
         return self._launch("all_to_all", s, work, outputs)
 
     def send(self, tensors: Tensors, dst: int, tag: int) -> TpuWork:

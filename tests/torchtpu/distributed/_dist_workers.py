@@ -186,6 +186,21 @@ def _all_to_all_single_even(c: Case):
     return [out], False
 
 
+def _all_to_all_single_in_place(c: Case):
+    """Output and input are one tensor, twice (the second time its buffer is one that XLA
+    allocated): every row must arrive as if they were two tensors (the reference runs on two
+    CPU tensors; gloo does not promise in-place all-to-all)."""
+    x = c.data(2 * c.world, 3)
+    for _ in range(2):
+        if c.device.type == "tpu":
+            c.run(dist.all_to_all_single, x, x)
+        else:
+            out = c.empty(2 * c.world, 3)
+            c.run(dist.all_to_all_single, out, x)
+            x.copy_(out)
+    return [x], True
+
+
 def _all_to_all_single_uneven(c: Case):
     rows = _splits(c.world, seed=7)
     out = c.empty(int(rows[:, c.rank].sum()), 2)
@@ -229,6 +244,7 @@ CASES: dict[str, Callable] = {
     "all_reduce_view": _all_reduce_view,
     "all_gather_into_tensor": _all_gather_into_tensor,
     "all_to_all_single_even": _all_to_all_single_even,
+    "all_to_all_single_in_place": _all_to_all_single_in_place,
     "all_to_all_single_uneven": _all_to_all_single_uneven,
     "all_to_all": _all_to_all,
     "send_recv": _send_recv,

@@ -128,6 +128,7 @@ def clear_used_rows(workspace: Array, counts: Array, geometry: KernelGeometry) -
     what the accumulation needs, without clearing the whole workspace."""
     steps, slots = _target_steps(counts, geometry)
     zeros = jnp.zeros((geometry.row_step, workspace.shape[1]), workspace.dtype)
+
     def clear(index: Array, workspace: Array) -> Array:
         first = slots(index)[0]
         return lax.dynamic_update_slice(workspace, zeros, (first, jnp.zeros_like(first)))

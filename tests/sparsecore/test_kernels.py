@@ -2,7 +2,8 @@
 
 * Lookup and a fused update (SGD and Adagrad) agree with a NumPy model of the ragged inputs.
 * Buffers whose slots outside the partitions (gaps, pads, the undefined tail) hold garbage --
-  huge and negative ids, NaN and inf gains -- give bit-identical results.
+  huge and negative ids, NaN and inf gains -- give bit-identical results, and so does an update
+  whose gradient workspace holds NaN (a step clears the rows it uses, whatever they held).
 * The compiled lookup and update contain no copy of a table-sized buffer, and the update aliases
   the donated table, slots and workspace to its outputs. The detector is checked on a program
   that does copy.
@@ -101,6 +102,7 @@ def test_random_topologies_match_numpy_model_even_with_garbage(
         topology,
         entry_chunk=int(rng.choice([8, 32, 128])),
         row_chunk=int(rng.choice([8, 64])),
+        lanes=int(rng.choice([1, 2, 4])),
     )
     state, slots = engine.init(jax.random.key(seed))
     values = engine.unstack_tables(state)
@@ -124,13 +126,17 @@ def test_random_topologies_match_numpy_model_even_with_garbage(
             np.asarray(activations[feature.name]), want, rtol=1e-5, atol=1e-5
         )
 
-    grads = {f.name: rng.normal(size=f.output_shape).astype(np.float32) for f in features}
+    grads = {f.name: jnp.asarray(rng.normal(size=f.output_shape).astype(np.float32)) for f in features}
     results = []
     for batch in (clean, dirty):
         fresh_tables, fresh_slots = engine.init(jax.random.key(seed))
-        new_tables, new_slots = engine.update(
-            fresh_tables, fresh_slots, batch, {k: jnp.asarray(v) for k, v in grads.items()}
-        )
+        if batch is clean:
+            new_tables, new_slots = engine.update(fresh_tables, fresh_slots, batch, grads)
+        else:
+            workspaces = {k: w * np.nan for k, w in engine.new_workspaces().items()}
+            new_tables, new_slots, _ = engine.update_program(
+                fresh_tables, fresh_slots, workspaces, engine.put_batch(batch), grads, engine.hyperparameters()
+            )
         results.append((engine.unstack_tables(new_tables), engine.unstack_slots(new_slots)))
     (got, got_slots), (dirty_got, dirty_slots) = results
     for table in tables:
@@ -138,7 +144,7 @@ def test_random_topologies_match_numpy_model_even_with_garbage(
         dense, touched = np.zeros(values[table.name].shape), np.zeros(table.vocabulary_size, bool)
         for feature in (f for f in features if f.table.name == table.name):
             g, t = row_gradients(
-                dense.shape, inputs[feature.name], grads[feature.name], table.combiner.value
+                dense.shape, inputs[feature.name], np.asarray(grads[feature.name]), table.combiner.value
             )
             dense, touched = dense + g, touched | t
         want = values[table.name].astype(np.float64)
@@ -295,6 +301,13 @@ def test_tpu_update_rejects_per_row_slots():
 
 
 # ----------------------------------------------------------------------------- buffer checks
+
+
+def test_loop_lanes_must_be_a_power_of_two():
+    topology = Topology.cpu(1, 2)
+    stacks = stack_tables([FeatureSpec("f", TableSpec("t", 64, 8), 8)], topology)
+    with pytest.raises(ValueError, match="lanes must be a power of two, got 3"):
+        SparseCoreEmbedding(stacks, topology, lanes=3)
 
 
 def test_put_batch_names_the_partition_with_bad_row_pointers():

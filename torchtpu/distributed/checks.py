@@ -8,6 +8,7 @@ same error, so a mismatch can neither hang a rank nor deliver data to the wrong 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,6 +19,7 @@ import torch
 from torchtpu import dtypes
 
 _DTYPES = tuple(sorted(dtypes.SUPPORTED, key=str))
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 def placement(collective: str, tensors: Sequence[torch.Tensor], serves_cpu: bool) -> torch.device:
@@ -130,7 +132,7 @@ def row_shapes(collective: str, output: torch.Tensor, input: torch.Tensor) -> No
 def exchange_row(send: Sequence[int], recv: Sequence[int], row_numel: int, dtype: torch.dtype) -> torch.Tensor:
     """This rank's entry of the exchange table: sizes sent to / expected from each rank, the
     number of elements per size unit, and the dtype."""
-    return torch.tensor([*send, *recv, row_numel, _DTYPES.index(dtype)], dtype=torch.int64)
+    return torch.from_numpy(np.array([*send, *recv, row_numel, _DTYPE_CODES[dtype]], dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,11 @@ class ExchangeSizes:
         """`rank`'s split sizes as gloo's all-to-all takes them: none when every rank sends every
         rank the same (non-empty) rows, which runs gloo's even all-to-all, faster than its uneven
         one."""
-        if self.row_numel and self.send[0, 0] and (self.send == self.send[0, 0]).all():
-            return [], []
-        return self.splits(rank)
+        return ([], []) if self._even else self.splits(rank)
+
+    @functools.cached_property
+    def _even(self) -> bool:
+        return bool(self.row_numel and self.send[0, 0] and (self.send == self.send[0, 0]).all())
 
 
 def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:

@@ -42,10 +42,11 @@ class SizeExchange:
         self._gloo = gloo
         self._rank = rank
         self._size = size
-        # The table of the last agreement of all_to_all_single, and its sizes when the agreement
-        # before it was the same: the guess for the next call.
-        self._table: np.ndarray | None = None
+        # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
+        # agreement before it was the same: the guess for the next call, and this rank's row in it.
+        self._table: bytes | None = None
         self._guess: ExchangeSizes | None = None
+        self._guessed_row: bytes | None = None
 
     def agree(self, collective: str, row: torch.Tensor, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:
         """Every rank's sizes, checked: `row` is this rank's `checks.exchange_row`."""
@@ -56,23 +57,25 @@ class SizeExchange:
                    send_name: str, recv_name: str) -> dist.Work:
         """Agree on sizes and run `launch(sizes)`, this rank's part of the exchange; on a guess,
         while agreeing (see the module docstring)."""
-        guess, last = self._guess, self._table
+        guess = self._guess
         early = None
         try:
             pending = self._gather(collective, row)
             if guess is not None:
-                mine = np.array_equal(last[self._rank], row.numpy())
+                mine = row.numpy().tobytes() == self._guessed_row
                 early = launch(guess) if mine else self._stand_in(guess, opts)
             table = self._gathered(collective, pending)
-            repeated = last is not None and np.array_equal(table, last)
+            repeated = table.tobytes() == self._table
             confirmed = guess is not None and repeated
             sizes = guess if confirmed else checks.check_exchange_table(collective, table, unit, send_name, recv_name)
         except (ValueError, CollectiveError):
-            self._table = self._guess = None
+            self._table = self._guess = self._guessed_row = None
             if early is not None:
                 _finish(early)
             raise
-        self._table, self._guess = table, (sizes if repeated else None)
+        self._table = table.tobytes()
+        self._guess = sizes if repeated else None
+        self._guessed_row = table[self._rank].tobytes()
         if early is not None:
             counters.count("dist_all_to_all_guessed" if confirmed else "dist_all_to_all_guess_missed")
             if confirmed:

@@ -66,7 +66,7 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
     reading it and, while host views of it exist, copies instead of aliasing, so the memory
     returned is ours alone. The program's result becomes the storage's buffer, so `t` and every
     view of its storage see what is written into the returned tensor; keep that tensor only
-    until gloo is done with it (while it lives, the buffer cannot be donated again).
+    until gloo is done with it (while it lives, claiming the buffer again yields a copy).
     """
     if runtime.runtime().platform != "cpu":
         return None

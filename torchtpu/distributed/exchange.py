@@ -21,6 +21,7 @@ confirmed (`dist_all_to_all_guessed`) and missed (`dist_all_to_all_guess_missed`
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -32,7 +33,8 @@ from torchtpu.distributed import checks
 from torchtpu.distributed.checks import ExchangeSizes
 from torchtpu.distributed.work import CollectiveError
 
-Launch = Callable[[ExchangeSizes], dist.Work]
+# `stage(sizes)` stages this rank's buffers for an exchange of `sizes` and returns what starts it.
+Stage = Callable[[ExchangeSizes], Callable[[], dist.Work]]
 
 
 class SizeExchange:
@@ -53,17 +55,21 @@ class SizeExchange:
         table = self._gathered(collective, self._gather(collective, row))
         return checks.check_exchange_table(collective, table, unit, send_name, recv_name)
 
-    def all_to_all(self, collective: str, row: torch.Tensor, launch: Launch, opts: dist.AllToAllOptions, unit: str,
+    def all_to_all(self, collective: str, row: torch.Tensor, stage: Stage, opts: dist.AllToAllOptions, unit: str,
                    send_name: str, recv_name: str) -> dist.Work:
-        """Agree on sizes and run `launch(sizes)`, this rank's part of the exchange; on a guess,
-        while agreeing (see the module docstring)."""
+        """Agree on sizes, then start this rank's part of the exchange, staged by `stage(sizes)`;
+        on a guess, staged before the sizes are gathered and started while they are (see the
+        module docstring), so that nothing but starting gloo happens between the two."""
         guess = self._guess
         early = None
         try:
-            pending = self._gather(collective, row)
+            start = None
             if guess is not None:
                 mine = row.numpy().tobytes() == self._guessed_row
-                early = launch(guess) if mine else self._stand_in(guess, opts)
+                start = stage(guess) if mine else self._stand_in(guess, opts)
+            pending = self._gather(collective, row)
+            if start is not None:
+                early = start()
             table = self._gathered(collective, pending)
             repeated = table.tobytes() == self._table
             confirmed = guess is not None and repeated
@@ -81,7 +87,7 @@ class SizeExchange:
             if confirmed:
                 return early
             early.wait()
-        return launch(sizes)
+        return stage(sizes)()
 
     def _gather(self, collective: str, row: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         table = torch.empty(self._size * row.numel(), dtype=torch.int64)
@@ -101,14 +107,14 @@ class SizeExchange:
     def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")
 
-    def _stand_in(self, guess: ExchangeSizes, opts: dist.AllToAllOptions) -> dist.Work:
+    def _stand_in(self, guess: ExchangeSizes, opts: dist.AllToAllOptions) -> Callable[[], dist.Work]:
         """This rank's part of the guessed exchange when its own call differs from the guess:
         the guessed bytes, sent from and received into scratch buffers."""
         send, recv = guess.splits(self._rank)
         gloo_send, gloo_recv = guess.gloo_splits(self._rank)
         source = torch.zeros((sum(send), guess.row_numel), dtype=guess.dtype)
         scratch = torch.empty((sum(recv), guess.row_numel), dtype=guess.dtype)
-        return self._gloo.alltoall_base(scratch, source, gloo_recv, gloo_send, opts)
+        return functools.partial(self._gloo.alltoall_base, scratch, source, gloo_recv, gloo_send, opts)
 
 
 def _finish(work: dist.Work) -> None:

@@ -27,7 +27,7 @@ import math
 import sys
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -264,13 +264,19 @@ class HostTransport:
         work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
-                          opts: dist.AllToAllOptions) -> TpuWork:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
+                                opts: dist.AllToAllOptions) -> Callable[[], TpuWork]:
+        """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
         s = _Staging(self._buffers)
         input_splits, output_splits = sizes.gloo_splits(self._rank)
         host_in = s.read(input)
-        work = self._gloo.alltoall_base(s.receive(output), host_in, output_splits, input_splits, opts)
-        return self._launch("all_to_all_single", s, work, [output])
+        host_out = s.receive(output)
+
+        def start() -> TpuWork:
+            work = self._gloo.alltoall_base(host_out, host_in, output_splits, input_splits, opts)
+            return self._launch("all_to_all_single", s, work, [output])
+
+        return start
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
         """The list form, as one uneven all-to-all of the concatenated tensors: gloo's own list

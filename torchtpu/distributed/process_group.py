@@ -21,9 +21,10 @@ the device of its first tpu collective and rejects tensors on any other.
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -159,16 +160,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
         row = checks.exchange_row(send, recv, checks.row_numel(input), input.dtype)
         opts = opts or c10d.AllToAllOptions()
 
-        def launch(sizes: checks.ExchangeSizes) -> dist.Work:
+        def stage(sizes: checks.ExchangeSizes) -> Callable[[], dist.Work]:
             if backend is self._gloo:
                 send_splits, recv_splits = sizes.gloo_splits(self.rank())
-                return self._gloo.alltoall_base(output, input, recv_splits, send_splits, opts)
-            return backend.all_to_all_single(output, input, sizes, opts)
+                return functools.partial(self._gloo.alltoall_base, output, input, recv_splits, send_splits, opts)
+            return backend.stage_all_to_all_single(output, input, sizes, opts)
 
         names = ("rows", "input_split_sizes", "output_split_sizes")
         if self._guesses:
-            return self._sizes.all_to_all(c, row, launch, opts, *names)
-        return launch(self._sizes.agree(c, row, *names))
+            return self._sizes.all_to_all(c, row, stage, opts, *names)
+        return stage(self._sizes.agree(c, row, *names))()
 
     alltoall_base = all_to_all_single
 

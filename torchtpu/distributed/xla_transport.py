@@ -21,8 +21,9 @@ exist. Point-to-point send/recv go through the host transport (gloo over host me
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -201,8 +202,12 @@ class XlaTransport:
         received = self._mine(programs.ragged_all_to_all(mesh)(*args))
         return received[: int(sends[:, self._rank].sum())].reshape(-1)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
-                          opts: dist.AllToAllOptions) -> TpuWork:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
+                                opts: dist.AllToAllOptions) -> Callable[[], TpuWork]:
+        """What runs the all-to-all (XLA stages nothing ahead: the program runs when started)."""
+        return functools.partial(self._all_to_all_single, output, input, sizes)
+
+    def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes) -> TpuWork:
         if sizes.row_numel == 0:
             return self._done("all_to_all_single", [], [output])
         out = self._ragged(input, memory.to_array(input), sizes)

@@ -96,3 +96,75 @@ def histogram_bins_tensor(x, bins, *, weight=None, density=False):
     if bins.numel() == 0:
         raise RuntimeError("torch.histogramdd: bins tensor should have at least 1 element, but got 0 elements for dimension 0")
     return x.new_empty(bins.numel() - 1), torch.empty_like(bins)
+
+
+def _check_histogramdd_input(x, edges_dtypes: list, weight) -> None:
+    """The argument checks of ATen's CPU histogramdd (`histogramdd_check_inputs`), for an input
+    of points (..., N) and N sequences of bin edges of `edges_dtypes`."""
+    if x.dim() < 2:
+        raise RuntimeError(f"torch.histogramdd: input tensor should have at least 2 dimensions, but got {x.dim()}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise NotImplementedError(f'"histogramdd" not implemented for {x.dtype}')
+    n = x.shape[-1]
+    if len(edges_dtypes) != n:
+        raise RuntimeError(f"torch.histogramdd: expected {n} sequences of bin edges for a {n}-dimensional "
+                           f"histogram but got {len(edges_dtypes)}")
+    for dim, dtype in enumerate(edges_dtypes):
+        if dtype != x.dtype:
+            raise RuntimeError(f"torch.histogramdd: input tensor and bins tensors should have the same dtype, but got "
+                               f"input with dtype {x.dtype} and bins for dimension {dim} with dtype {dtype}")
+    if weight is not None:
+        if weight.dtype != x.dtype:
+            raise RuntimeError("torch.histogramdd: if weight tensor is provided, input tensor and weight tensor "
+                               f"should have the same dtype, but got input({x.dtype}), and weight({weight.dtype})")
+        if tuple(weight.shape or (1,)) != tuple(x.shape[:-1]):
+            raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as the "
+                               "input tensor excluding its innermost dimension, but got input with shape "
+                               f"{tuple(x.shape)} and weight with shape {tuple(weight.shape)}")
+
+
+def _check_bin_counts(x, bins, bounds) -> None:
+    """histogramdd's checks of bin counts and a given range (ATen's select_outer_bin_edges)."""
+    _check_histogramdd_input(x, [x.dtype] * len(bins), None)
+    n = x.shape[-1]
+    for dim, count in enumerate(bins):
+        if count <= 0:
+            raise RuntimeError(f"torch.histogramdd(): bins must be > 0, but got {count} for dimension {dim}")
+    if bounds is not None:
+        if len(bounds) != 2 * n:
+            raise RuntimeError(f"torch.histogramdd: for a {n}-dimensional histogram range should have {2 * n} "
+                               f"elements, but got {len(bounds)}")
+        for dim in range(n):
+            low, high = bounds[2 * dim], bounds[2 * dim + 1]
+            if not (math.isfinite(low) and math.isfinite(high)):
+                raise RuntimeError(f"torch.histogramdd: dimension {dim}'s range [{low}, {high}] is not finite")
+            if low > high:
+                raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {low} max {high} "
+                                   f"for dimension {dim}")
+
+
+@_meta(aten._histogramdd_bin_edges.default)
+def histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    _check_bin_counts(x, bins, range)
+    _check_histogramdd_input(x, [x.dtype] * len(bins), weight)
+    return [x.new_empty(count + 1) for count in bins]
+
+
+@_meta(aten._histogramdd_from_bin_cts.default)
+def histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    _check_bin_counts(x, bins, range)
+    _check_histogramdd_input(x, [x.dtype] * len(bins), weight)
+    return x.new_empty(tuple(bins))
+
+
+@_meta(aten._histogramdd_from_bin_tensors.default)
+def histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    _check_histogramdd_input(x, [b.dtype for b in bins], weight)
+    for dim, edges in enumerate(bins):
+        if edges.dim() != 1:
+            raise RuntimeError(f"torch.histogramdd: bins tensor should have one dimension, but got {edges.dim()} "
+                               f"dimensions in the bin tensor for dimension {dim}")
+        if edges.numel() == 0:
+            raise RuntimeError(f"torch.histogramdd: bins tensor should have at least 1 element, but got 0 elements "
+                               f"in the bin tensor for dimension {dim}")
+    return x.new_empty(tuple(edges.numel() - 1 for edges in bins))

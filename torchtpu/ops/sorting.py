@@ -1,4 +1,4 @@
-"""Sorting, selection (top-k, k-th value, medians, mode), scans, binary search and histograms.
+"""Sorting, selection (top-k, k-th value, medians, mode), scans, binary search and bincount.
 
 Everything that orders values goes through one stable XLA sort (`sort_along`) with PyTorch's
 order: NaN counts as the largest value (last ascending, first descending), -0.0 equals 0.0, and
@@ -18,7 +18,6 @@ import torch
 from jax import lax
 
 from torchtpu.ops import registry
-from torchtpu.ops.creation import linspace_values
 from torchtpu.ops.promotion import DEFAULT
 from torchtpu.ops.reduction import opmath
 
@@ -211,7 +210,7 @@ def cummin(ctx, x, dim):
     return _cumulative_select(x, dim, largest=False)
 
 
-# --- binary search and histograms -------------------------------------------------------------
+# --- binary search and counting -------------------------------------------------------------
 
 
 def _search(boundaries, values, right: bool):
@@ -241,74 +240,6 @@ def bucketize(ctx, x, boundaries, *, out_int32=False, right=False):
     compute, _ = ctx.promotion(DEFAULT, "self", "boundaries")
     found = _search(boundaries.astype(compute), jnp.asarray(x, compute), right)
     return found.astype(ctx.out_dtype())
-
-
-@registry.register(aten.histc.default)
-def histc(ctx, x, bins=100, min=0, max=0):
-    """Counts of `x` in `bins` equal bins over [min, max] (the data's range when min == max).
-
-    As ATen's CPU kernel: the bin of a value is `trunc((x - min) * bins / (max - min))` computed
-    in the input dtype, `max` itself falls in the last bin, and values outside [min, max] (and
-    NaN) are not counted. A degenerate range is widened by 1 on each side. A data-derived range
-    that is not finite cannot raise here as it does on CPU (that needs a host sync): nothing is
-    counted then.
-    """
-    x = x.reshape(-1)
-    if min == max and x.size:
-        low, high = jnp.min(x), jnp.max(x)
-    else:
-        low, high = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
-    widen = low == high
-    low, high = jnp.where(widen, low - 1, low), jnp.where(widen, high + 1, high)
-    counted = (x >= low) & (x <= high) & jnp.isfinite(low) & jnp.isfinite(high)
-    position = ((x - low) * bins / (high - low)).astype(np.int64)
-    position = jnp.where(counted, jnp.minimum(position, bins - 1), bins)
-    return jnp.zeros(bins, x.dtype).at[position].add(jnp.ones_like(x), mode="drop")
-
-
-def _bin_counts(x, edges, weight):
-    """Sums of `weight` (ones if None) of the values of `x` in the bins between consecutive
-    `edges`: a bin holds [left, right) except the last, [left, right]; values outside (and
-    NaN) are not counted, as in ATen's CPU kernel."""
-    bins = edges.shape[0] - 1
-    counted = (x >= edges[0]) & (x <= edges[-1])
-    position = jnp.minimum(jnp.searchsorted(edges, x, side="right") - 1, bins - 1)
-    position = jnp.where(counted, position, bins)
-    weight = jnp.ones_like(x) if weight is None else weight.reshape(-1)
-    return jnp.zeros(bins, x.dtype).at[position].add(weight, mode="drop")
-
-
-def _density(hist, edges):
-    """Counts to a density: divided by their sum, then by each bin's width (ATen's order)."""
-    return hist / jnp.sum(hist) / jnp.diff(edges)
-
-
-@registry.register(aten.histogram.bin_ct)
-def histogram(ctx, x, bins=100, *, range=None, weight=None, density=False):
-    """`bins` equal bins over `range`, or over [min, max] of the data (an empty input: [0, 1]);
-    a degenerate range is widened by 0.5 on each side. The edges are computed as `linspace` in
-    the input dtype, from the range in float64, as on CPU. A data range that is not finite is a
-    device-side check (CPU raises at once; here the next synchronisation raises)."""
-    x = x.reshape(-1)
-    if range is not None:
-        low, high = (jnp.asarray(v, np.float64) for v in range)
-    elif x.size:
-        low, high = jnp.min(x).astype(np.float64), jnp.max(x).astype(np.float64)
-        ctx.check(jnp.isfinite(low) & jnp.isfinite(high), "the input's range is not finite (it holds inf or NaN)")
-    else:
-        low, high = jnp.asarray(0.0, np.float64), jnp.asarray(1.0, np.float64)
-    widen = low == high
-    low, high = jnp.where(widen, low - 0.5, low), jnp.where(widen, high + 0.5, high)
-    edges = linspace_values(low, high, bins + 1, x.dtype)
-    hist = _bin_counts(x, edges, weight)
-    return (_density(hist, edges) if density else hist), edges
-
-
-@registry.register(aten.histogram.bins_tensor)
-def histogram_bins_tensor(ctx, x, bins, *, weight=None, density=False):
-    """Bins between the given edges (increasing, as on CPU)."""
-    hist = _bin_counts(x.reshape(-1), bins, weight)
-    return (_density(hist, bins) if density else hist), bins
 
 
 @registry.register_data_dependent(aten.bincount.default)

@@ -1,4 +1,4 @@
-"""Sorting, selection, scans, binary search and histograms on `tpu` against PyTorch's CPU
+"""Sorting, selection, scans and binary search on `tpu` against PyTorch's CPU
 kernels: stability and NaN order, tie rules, dims, 0-dim/empty/non-contiguous inputs, dtype
 arguments, int32 results, in-place and out= variants, and gradients."""
 
@@ -146,52 +146,6 @@ def test_searchsorted_empty_boundaries_or_values():
     for boundaries, values in ((torch.zeros(0, 0), torch.zeros(0, 0)), (torch.zeros(3, 0), torch.zeros(3, 2)),
                                (torch.zeros(0), torch.ones(3)), (BOUNDARIES, torch.zeros(2, 0))):
         same_as_cpu(torch.searchsorted, boundaries, values)
-
-
-def test_histc():
-    data = torch.randn(500, generator=torch.Generator().manual_seed(3))
-    same_as_cpu(lambda t: torch.histc(t, 10), data)
-    same_as_cpu(lambda t: torch.histc(t, 7, min=-1, max=1), data)  # values outside are dropped
-    same_as_cpu(lambda t: torch.histc(t, 4, min=0, max=3), torch.tensor([0.0, 1.0, 3.0, 3.0, 2.9999, NAN]))
-    same_as_cpu(lambda t: torch.histc(t, 5), torch.full((6,), 2.0))  # degenerate range widens
-    same_as_cpu(lambda t: torch.histc(t, 6, -2, 2), data.bfloat16())
-
-
-def _like(x: torch.Tensor, values: list) -> torch.Tensor:
-    return torch.tensor(values, dtype=x.dtype, device=x.device)
-
-
-HISTOGRAMS = {
-    "bins": lambda x: torch.histogram(x, 7),
-    "range": lambda x: torch.histogram(x, 5, range=(-1.0, 1.0)),  # values outside are dropped
-    "degenerate_range": lambda x: torch.histogram(torch.ones_like(x), 4),  # widened by 0.5
-    "empty": lambda x: torch.histogram(x[:0], 4),  # edges over [0, 1]
-    "edges": lambda x: torch.histogram(x.reshape(10, 50), _like(x, [-2.0, -0.5, 0.0, 1.5, 3.0])),
-    "weighted_density": lambda x: torch.histogram(x, 6, range=(-2.0, 2.0), weight=x.abs(), density=True),
-    "edges_density": lambda x: torch.histogram(x, _like(x, [-3.0, 0.0, 0.5, 3.0]), density=True),
-}
-
-
-@pytest.mark.parametrize("name", HISTOGRAMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_histogram(name, dtype):
-    data = torch.randn(500, generator=torch.Generator().manual_seed(4), dtype=dtype)
-    fn = HISTOGRAMS[name]
-    same_as_cpu(lambda x: tuple(fn(x)), data)
-
-
-def test_histogram_rejects_what_cpu_rejects():
-    data = torch.randn(8)
-    bad = [lambda x: torch.histogram(x, 0), lambda x: torch.histogram(x, 3, range=(2.0, 1.0)),
-           lambda x: torch.histogram(x.long(), 3), lambda x: torch.histogram(x, x.double()),
-           lambda x: torch.histogram(x, 3, weight=x[:4])]
-    for fn in bad:
-        with pytest.raises(Exception) as on_cpu:
-            fn(data)
-        with pytest.raises(on_cpu.type):
-            fn(data.to("tpu"))
-    with pytest.raises(RuntimeError, match="not finite"):  # a data range, checked on the device
-        torch.histogram(torch.tensor([0.0, math.inf]).to("tpu"), 4)[0].cpu()
 
 
 def test_quantile_of_a_0_dim_tensor():

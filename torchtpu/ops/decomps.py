@@ -17,6 +17,7 @@ from torch._decomp import decomposition_table
 from torch._ops import OpOverload
 
 from torchtpu.ops import registry
+from torchtpu.ops.nn import cpu_saved_statistics
 from torchtpu.ops.schema import functional_arguments, functional_variant, signature
 
 
@@ -64,24 +65,27 @@ def _through_functional(compute: Callable, op: OpOverload) -> Callable:
     return run
 
 
-def _eval_saves_nothing(decomposition: Callable) -> Callable:
-    """Batch norm as PyTorch's decomposition, except that in eval mode the saved mean and
-    inverse standard deviation are empty, as ATen's CPU and CUDA kernels return them (the
-    decomposition and the meta kernel give per-channel tensors)."""
+def _saves_as_cpu(decomposition: Callable, training: bool | None = None) -> Callable:
+    """Batch norm as PyTorch's decomposition, except that the saved mean and inverse standard
+    deviation are what ATen's CPU kernel returns (`nn.cpu_saved_statistics`: empty in eval mode,
+    in the input's dtype unless the parameters' differs); the decomposition follows the CUDA
+    kernel there. `training` is given for overloads without that argument."""
 
-    def run(input, weight, bias, running_mean, running_var, training, momentum, eps):
-        out, save_mean, save_invstd = decomposition(input, weight, bias, running_mean, running_var, training,
-                                                    momentum, eps)
-        if not training:
-            save_mean, save_invstd = save_mean.new_empty(0), save_invstd.new_empty(0)
-        return out, save_mean, save_invstd
+    def run(input, weight, bias, running_mean, running_var, *args):
+        results = decomposition(input, weight, bias, running_mean, running_var, *args)
+        mode = args[0] if training is None else training
+        saved = cpu_saved_statistics(input, results[1], results[2], mode, weight, bias, running_mean, running_var)
+        return (results[0], *saved, *results[3:])
 
     return run
 
 
+_aten = torch.ops.aten
 _LOCAL = {
-    op: _eval_saves_nothing(decomposition_table[op])
-    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+    _aten.native_batch_norm.default: _saves_as_cpu(decomposition_table[_aten.native_batch_norm.default]),
+    _aten._native_batch_norm_legit.default: _saves_as_cpu(decomposition_table[_aten._native_batch_norm_legit.default]),
+    _aten._batch_norm_with_update.default: _saves_as_cpu(decomposition_table[_aten._batch_norm_with_update.default],
+                                                         training=True),
 }
 
 

@@ -1,7 +1,9 @@
 """Softmax and normalisation layers (layer, group, batch norm), with their backward ops.
 
 Everything computes in opmath (float32 for bf16/f16 inputs) and rounds once, as PyTorch's CPU
-kernels do; statistics outputs (mean, rstd) come out in the dtype PyTorch gives them.
+kernels do. The saved statistics (mean, rstd) come out in the dtype ATen's CPU kernels give them
+(`statistics_dtype`): PyTorch's meta kernels follow its CUDA kernels instead (float32 for every
+bf16/f16 input, per-channel statistics in evaluation mode), so the lowerings carry `meta=` rules.
 
 The three norms share their math: statistics over some axes of `x`, `xhat = (x - mean) * rstd`,
 and the same backward, `rstd * (g - mean(g) - xhat * mean(g * xhat))` over the normalised
@@ -20,7 +22,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import torch
 from jax import lax
-from torch._prims_common import canonicalize_dim
+from torch._prims_common import canonicalize_dim, get_computation_dtype
 
 from torchtpu.ops import registry
 from torchtpu.ops.reduction import opmath
@@ -129,6 +131,27 @@ def _empty_like_out(ctx, index: int):
     return jnp.zeros(ctx.out_shape(index), ctx.out_dtype(index))
 
 
+def statistics_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the statistics (mean, rstd) ATen's CPU norm kernels save for input `x` with
+    affine and running parameters `params`: x's own dtype, unless the first parameter given has
+    another one (ATen's "mixed type": a bf16/f16 input with float32 parameters), then x's opmath
+    dtype. Statistics are computed in opmath either way and rounded once."""
+    first = next((p for p in params if p is not None), None)
+    if first is not None and first.dtype != x.dtype:
+        return get_computation_dtype(x.dtype)
+    return x.dtype
+
+
+def cpu_saved_statistics(x, mean, rstd, training: bool, *params):
+    """(save_mean, save_rstd) of a batch norm as ATen's CPU kernel returns them: in
+    `statistics_dtype`, and empty in evaluation mode (PyTorch's meta kernels and decompositions
+    give per-channel tensors there, as its CUDA kernels do)."""
+    dtype = statistics_dtype(x, *params)
+    if not training:
+        return mean.new_empty(0, dtype=dtype), rstd.new_empty(0, dtype=dtype)
+    return mean.to(dtype), rstd.to(dtype)
+
+
 # --- layer norm -------------------------------------------------------------------------------
 
 
@@ -136,7 +159,13 @@ def _layer_axes(x, normalized_shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(range(x.ndim - len(normalized_shape), x.ndim))
 
 
-@registry.register(aten.native_layer_norm.default)
+def _layer_norm_meta(x, normalized_shape, weight, bias, eps):
+    out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+    dtype = statistics_dtype(x, weight, bias)
+    return out, mean.to(dtype), rstd.to(dtype)
+
+
+@registry.register(aten.native_layer_norm.default, meta=_layer_norm_meta)
 def native_layer_norm(ctx, x, normalized_shape, weight, bias, eps: float):
     axes = _layer_axes(x, normalized_shape)
     x = x.astype(opmath(x.dtype))
@@ -220,10 +249,31 @@ def _batch_norm_train(x, weight, bias, eps: float):
 
 
 def _updated_running(running, batch_value, momentum: float):
-    return (1 - momentum) * running + momentum * batch_value.astype(running.dtype)
+    """The new running statistic, computed in opmath and rounded once to the running dtype."""
+    compute = opmath(running.dtype)
+    updated = (1 - momentum) * running.astype(compute) + momentum * batch_value.astype(compute)
+    return updated.astype(running.dtype)
 
 
-@registry.register(aten._native_batch_norm_legit_functional.default)
+def _batch_norm_functional_meta(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        x, weight, bias, running_mean, running_var, training, momentum, eps)
+    saved = cpu_saved_statistics(x, mean, rstd, training, weight, bias, running_mean, running_var)
+    return out, *saved, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype)
+
+
+def _batch_norm_no_stats_meta(x, weight, bias, training, momentum, eps):
+    out, mean, rstd = aten._native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)
+    return out, *cpu_saved_statistics(x, mean, rstd, training, weight, bias)
+
+
+def _batch_norm_no_training_meta(x, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, rstd = aten._native_batch_norm_legit_no_training.default(
+        x, weight, bias, running_mean, running_var, momentum, eps)
+    return out, *cpu_saved_statistics(x, mean, rstd, False, weight, bias, running_mean, running_var)
+
+
+@registry.register(aten._native_batch_norm_legit_functional.default, meta=_batch_norm_functional_meta)
 def batch_norm_functional(
     ctx, x, weight, bias, running_mean, running_var, training: bool, momentum: float, eps: float
 ):
@@ -241,12 +291,12 @@ def batch_norm_functional(
     )
 
 
-@registry.register(aten._native_batch_norm_legit.no_stats)
+@registry.register(aten._native_batch_norm_legit.no_stats, meta=_batch_norm_no_stats_meta)
 def batch_norm_no_stats(ctx, x, weight, bias, training: bool, momentum: float, eps: float):
     return _batch_norm_train(x, weight, bias, eps)[:3]
 
 
-@registry.register(aten._native_batch_norm_legit_no_training.default)
+@registry.register(aten._native_batch_norm_legit_no_training.default, meta=_batch_norm_no_training_meta)
 def batch_norm_no_training(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
     compute = opmath(x.dtype)
     shape = _per_channel(x.shape[1], x.ndim)

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import torchtpu  # noqa: F401
-from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
+from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops, to  # noqa: F401
 from value_and_grad import Draws
 
 aten = torch.ops.aten
@@ -141,6 +142,36 @@ def test_batch_norm_ops():
     for train in (False, True):
         same_as_cpu(lambda *a: aten.native_batch_norm_backward(*a, train, 1e-5, [True] * 3),
                     randn(4, 3, 5), x, w, rm, rv, save_mean, save_invstd, exact=False)
+
+
+def _statistics_same_as_cpu(fn, *args) -> None:
+    """`fn`'s outputs on `tpu` have CPU's dtypes and shapes, and its statistics outputs (all but
+    the first) CPU's values. The normalised output is left to the other tests: with bf16
+    parameters ATen's CPU batch norm rounds its per-channel scale and shift to bf16 before
+    applying them, so where x is near the mean it is further from the float64 result than tpu
+    (e.g. 0.0479 for 0.0434, tpu 0.0435)."""
+    expected = fn(*args)
+    actual = tree_map(to("cpu"), fn(*tree_map(to("tpu"), args)))
+    assert [(t.dtype, t.shape) for t in actual] == [(t.dtype, t.shape) for t in expected]
+    torch.testing.assert_close(actual[1:], expected[1:])
+
+
+@pytest.mark.parametrize("params", [torch.bfloat16, torch.float32])
+def test_saved_statistics_in_cpu_dtype(params):
+    """ATen's CPU norm kernels save mean and rstd of a bf16 input in bf16, or in float32 when
+    the parameters are float32; PyTorch's meta kernels say float32 always (and per-channel
+    statistics in eval mode), as its CUDA kernels do."""
+    draw = Draws(seed=7).randn  # its own draws: the module's stream stays as the other tests expect
+    x = draw(4, 3, 5).bfloat16()
+    w, b, rm, rv = (t.to(params) for t in (draw(3), draw(3), draw(3), draw(3).abs() + 0.5))
+    _statistics_same_as_cpu(lambda *a: aten.native_layer_norm(*a, 1e-5), x, (5,),
+                            *(t.to(params) for t in (draw(5), draw(5))))
+    for training in (False, True):
+        for op in (aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional):
+            _statistics_same_as_cpu(lambda *a: op(*a, training, 0.1, 1e-5), x, w, b, rm.clone(), rv.clone())
+    _statistics_same_as_cpu(lambda *a: aten._native_batch_norm_legit.no_stats(*a, True, 0.1, 1e-5), x, w, b)
+    _statistics_same_as_cpu(lambda *a: aten._native_batch_norm_legit_no_training(*a, 0.1, 1e-5), x, w, b, rm, rv)
+    _statistics_same_as_cpu(lambda *a: aten._batch_norm_with_update(*a, 0.1, 1e-5), x, w, b, rm.clone(), rv.clone())
 
 
 def test_norms_in_bf16():

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
+from torch.distributed import distributed_c10d
 
 from torchtpu.distributed import checks
 from torchtpu.distributed.exchange import SizeExchange
@@ -59,6 +60,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        """The name torch.distributed registered this group under. c10d names the C++ backends it
+        wraps, never a Python group that stands for a whole backend, so the C++ property would
+        raise "ProcessGroup name not set" (TorchRec's `ShardingEnv` reads it for its DeviceMesh)."""
+        return distributed_c10d._world.pg_names[self]
 
     @property
     def _device_types(self) -> list[torch.device]:
@@ -154,6 +162,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
                           input_split_sizes: Sequence[int], opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         c = "all_to_all_single"
         backend = self._route(c, [output, input])
+        # c10d ignores the row shape of a side without rows: TorchRec's sequence all-to-all sends
+        # `[0, dim]` from a rank that holds no table into a flat output.
+        if input.shape[0] == 0 and output.dim() > 0:
+            input = input.reshape(0, *output.shape[1:])
+        elif output.shape[0] == 0 and input.dim() > 0:
+            output = output.reshape(0, *input.shape[1:])
         checks.row_shapes(c, output, input)
         send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self.size())
         recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self.size())

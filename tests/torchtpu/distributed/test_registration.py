@@ -20,3 +20,16 @@ def test_a_collective_before_init_process_group_says_so():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="Default process group has not been initialized"):
         dist.all_reduce(torch.ones(2, device="tpu:0"))
+
+
+def test_the_default_group_answers_its_name(tmp_path):
+    """c10d never names a Python group standing for a whole backend; `group_name` (which
+    TorchRec's ShardingEnv and DeviceMesh read) answers with the name it registered."""
+    dist.init_process_group("cpu:gloo,tpu:tpu_dist", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert group.group_name == dist.distributed_c10d._get_process_group_name(group) == "0"
+        sub = dist.new_group([0], backend="tpu_dist")
+        assert sub.group_name == dist.distributed_c10d._get_process_group_name(sub) != group.group_name
+    finally:
+        dist.destroy_process_group()

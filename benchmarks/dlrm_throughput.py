@@ -10,7 +10,6 @@ Each measurement runs in a fresh process; the script prints examples/s per confi
 the ratio to TorchRec's. A script, not a test: nothing asserts.
 
     python benchmarks/dlrm_throughput.py [--size mlperf] [--steps 30] [--modes strict defer compiled]
-                                         [--sharding planner direct]
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ def main() -> None:
     parser.add_argument("--size", default="mlperf")
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after a warm-up of 5)")
     parser.add_argument("--modes", nargs="+", default=["strict", "defer", "compiled"])
-    parser.add_argument("--sharding", nargs="+", default=["planner", "direct"])
     parser.add_argument("--table-optimizer", choices=["adagrad", "rowwise_adagrad"], default="rowwise_adagrad",
                         help="the tables' fused optimizer on both sides (FBGEMM's CPU Adagrad is a slow generic path)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -46,11 +44,9 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     baseline = _in_subprocess("torchrec", args)
     print(f"  TorchRec DMP on CPU (FBGEMM, gloo): {baseline:10,.0f} examples/s")
-    for sharding in args.sharding:
-        for mode in args.modes:
-            rate = _in_subprocess(f"tpu:{sharding}:{mode}", args)
-            print(f"  tpu, {sharding:7s} sharding, {mode:8s}: {rate:10,.0f} examples/s  "
-                  f"({rate / baseline:.2f}x TorchRec)")
+    for mode in args.modes:
+        rate = _in_subprocess(f"tpu:{mode}", args)
+        print(f"  tpu, {mode:8s}: {rate:10,.0f} examples/s  ({rate / baseline:.2f}x TorchRec)")
 
 
 def _in_subprocess(what: str, args: argparse.Namespace) -> float:
@@ -75,8 +71,8 @@ def _measure(what: str, size: str, steps: int, table_optimizer: str) -> dict:
     batches = [stream.train_batch(step) for step in range(CYCLED_BATCHES)]
     if what == "torchrec":
         return _torchrec(config, batches, steps)
-    _, sharding, mode = what.split(":")
-    return _tpu(config, batches, steps, sharding, mode)
+    _, mode = what.split(":")
+    return _tpu(config, batches, steps, mode)
 
 
 class _Cycled:
@@ -92,24 +88,18 @@ class _Cycled:
         return self._batches[index % len(self._batches)]
 
 
-def _tpu(config, batches: list, steps: int, sharding: str, mode: str) -> dict:
+def _tpu(config, batches: list, steps: int, mode: str) -> dict:
     from torchrec_plugin.dlrm import launch
+    from torchrec_plugin.dlrm.model import build
     from torchrec_plugin.dlrm.train import TrainOptions, train
 
     def job() -> dict:
-        if sharding == "planner":
-            from torchrec_plugin.dlrm.planned import build_planned
-
-            training = build_planned(config)
-        else:
-            from torchrec_plugin.dlrm.model import build
-
-            training = build(config)
+        training = build(config)
         options = TrainOptions(steps=steps + 3, mode=mode, eval_batches=1, progress=False, log_every=steps + 3)
         summary = train(training, _Cycled(batches), options)
         return {"examples_per_second": summary.examples_per_second, "input_wait": summary.input_wait_share}
 
-    return launch.run(job, launch.Processes(devices=1, process_group=sharding == "planner"))
+    return launch.run(job)
 
 
 def _torchrec(config, batches: list, steps: int) -> dict:

@@ -20,6 +20,21 @@ How to use::
 
 Fused optimizers come from `fused_params` or `apply_optimizer_in_backward` (SGD, Adagrad,
 row-wise Adagrad, Adam); data-parallel tables train through DDP with the dense optimizer.
+`TrainPipelineSparseDist(dmp, optimizer, torch.device("tpu", local_rank))` drives the model.
+
+Checkpoints are TorchRec's: the model's `state_dict()` (tables as ShardedTensors) and
+`dmp.fused_optimizer.state_dict()` (the tables' optimizer state, sharded as the tables are, under
+FBGEMM's names: `torchrec_plugin.fused_optimizer`), saved and loaded with
+`torch.distributed.checkpoint`, also onto another world size::
+
+    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0),
+             process_group=torchrec_plugin.host_group())
+    dcp.load(state, checkpoint_id=path, process_group=torchrec_plugin.host_group())
+    dmp.load_state_dict(state["model"]); dmp.fused_optimizer.load_state_dict(state["optim"])
+
+DCP coordinates over a gloo group (`host_group`: `tpu_dist` serves no `gather`), and without
+copy-ahead (its `non_blocking` host copies need a pinned-memory allocator the device lacks).
 
 Sharding types and what runs in each shard (`torchrec_plugin.sharders`):
 
@@ -42,13 +57,16 @@ from torchrec.distributed.types import ModuleSharder
 from torch import nn
 
 from torchtpu.ops import fbgemm as _fbgemm
+from torchrec_plugin.groups import host_group
 from torchrec_plugin.planning import TpuShardingPlanner, planner
 from torchrec_plugin.sharders import EmbeddingBagCollectionSharder
 from torchrec_plugin.hardware import TpuTopology, topology
 
 _fbgemm.install()
 
-__all__ = ["EmbeddingBagCollectionSharder", "TpuShardingPlanner", "TpuTopology", "planner", "sharders", "topology"]
+__all__ = [
+    "EmbeddingBagCollectionSharder", "TpuShardingPlanner", "TpuTopology", "host_group", "planner", "sharders", "topology",
+]
 
 
 def sharders(fused_params: dict[str, Any] | None = None) -> list[ModuleSharder[nn.Module]]:

@@ -12,6 +12,8 @@ SparseCore kernel keeps a *mirror*: one tensor per local shard in TorchRec's lay
 device. `flush()` (TorchRec calls it before every `state_dict`) copies the tables into the
 mirror; `push()` (after a load or an initialisation) copies the mirror into the tables. The
 mirror costs one more copy of the shard's weights in HBM; the planner's storage estimate counts it.
+The optimizer slots have no mirror: the kernel's `fused_optimizer` (`torchrec_plugin.fused_optimizer`)
+copies them to the host in TorchRec's layout when its state is read, and back after a load.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from torchrec.distributed.composable.table_batched_embedding_slice import TableB
 from torchrec.distributed.embedding_kernel import BaseEmbedding, get_state_dict
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SparseCoreEmbeddingBagCollection, runtime_topology
 from sparsecore import optimizers
+from torchrec_plugin.fused_optimizer import LocalTable, ShardOptimizer
 
 __all__ = ["DenseEmbeddingBag", "SparseCoreEmbeddingBag", "sparsecore_optimizer"]
 
@@ -67,22 +70,6 @@ def sparsecore_optimizer(fused_params: dict[str, Any] | None) -> optimizers.Opti
     raise ValueError(f"fused optimizer {kind} has no SparseCore implementation (SGD, Adagrad, row-wise Adagrad, Adam)")
 
 
-class _ShardOptimizer(FusedOptimizer):
-    """TorchRec's view of a kernel's fused optimizer: its parameters are the mirror's tables
-    (TorchRec renames and re-keys them); `step`/`zero_grad` make the learning rate take effect."""
-
-    def __init__(self, collection: SparseCoreEmbeddingBagCollection, params: dict[str, torch.Tensor]) -> None:
-        self._collection = collection
-        rate = collection.fused_optimizer.param_groups[0]["lr"]
-        super().__init__(params=params, state={}, param_groups=[{"params": list(params.values()), "lr": rate}])
-
-    def step(self, closure: Any = None) -> None:
-        self._collection.set_learning_rate(self.param_groups[0]["lr"])
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        self._collection.set_learning_rate(self.param_groups[0]["lr"])
-
-
 class _ShardTables(nn.Module):
     """What both kernels share: the group's local shards as one flat tensor in TorchRec's layout
     (tables one after another, `[local_rows, local_cols]` each), and TorchRec's per-table views."""
@@ -115,18 +102,23 @@ class _ShardTables(nn.Module):
             destination._metadata = OrderedDict()
         return get_state_dict(self._config.embedding_tables, self.shard_weights(), self._pg, destination, prefix)
 
-    def named_parameters_by_table(self) -> Iterator[tuple[str, TableBatchedEmbeddingSlice]]:
-        """One slice per table: a table's consecutive local shards (column-wise) form one slice."""
+    def table_runs(self) -> Iterator[tuple[int, int]]:
+        """`[i, j)` of each table's local shards: a table's shards (column-wise) are consecutive."""
         tables = self._config.embedding_tables
         i = 0
         while i < len(tables):
-            j = i
-            while j + 1 < len(tables) and tables[j + 1].name == tables[i].name:
+            j = i + 1
+            while j < len(tables) and tables[j].name == tables[i].name:
                 j += 1
-            start, stop = self._bounds[i][0], self._bounds[j][1]
-            cols = tables[i].local_cols
-            yield tables[i].name, self._slice(start, stop, cols)
-            i = j + 1
+            yield i, j
+            i = j
+
+    def named_parameters_by_table(self) -> Iterator[tuple[str, TableBatchedEmbeddingSlice]]:
+        """One slice per table: a table's consecutive local shards (column-wise) form one slice."""
+        tables = self._config.embedding_tables
+        for i, j in self.table_runs():
+            start, stop = self._bounds[i][0], self._bounds[j - 1][1]
+            yield tables[i].name, self._slice(start, stop, tables[i].local_cols)
 
     def _slice(self, start: int, stop: int, cols: int) -> TableBatchedEmbeddingSlice:
         return TableBatchedEmbeddingSlice(self._flat, start, stop, (stop - start) // cols, cols)
@@ -157,26 +149,35 @@ class SparseCoreEmbeddingBag(_ShardTables, BaseEmbedding, FusedOptimizerModule):
             ))
         self._table_keys = [f"embedding_bags.{c.name}.weight" for c in bag_configs]
         # Held outside the module tree: TorchRec collects (and re-keys) the fused optimizer of
-        # every FusedOptimizerModule below a lookup, and this kernel presents the collection's.
+        # every FusedOptimizerModule below a lookup, and the kernel's own presents the tables.
         self.__dict__["_collection"] = SparseCoreEmbeddingBagCollection(
             bag_configs,
             batch_size=runtime_topology().num_sparsecores,
             optimizer=sparsecore_optimizer(config.fused_params),
             is_weighted=config.is_weighted,
         )
-        self._optimizer = _ShardOptimizer(
-            self._collection, {f"{name}.weight": weight for name, weight in self.named_parameters_by_table()}
-        )
-        for _, weight in self.named_parameters_by_table():
-            weight._in_backward_optimizers = [self._optimizer]
+        weights = dict(super().named_parameters_by_table())
+        self._optimizer = ShardOptimizer(self._collection, [
+            LocalTable(tables[i].name, weights[tables[i].name], tuple(
+                (tables[k], bag_configs[k].name) for k in range(i, j)
+            ))
+            for i, j in self.table_runs()
+        ], pg)
 
     @property
     def collection(self) -> SparseCoreEmbeddingBagCollection:
         return self._collection
 
     @property
-    def fused_optimizer(self) -> FusedOptimizer:
+    def fused_optimizer(self) -> ShardOptimizer:
         return self._optimizer
+
+    def named_parameters_by_table(self) -> Iterator[tuple[str, TableBatchedEmbeddingSlice]]:
+        """The tables' slices, marked as trained by the fused optimizer (TorchRec's convention,
+        so that dense optimizers leave them alone)."""
+        for name, weight in super().named_parameters_by_table():
+            weight._in_backward_optimizers = [self._optimizer]
+            yield name, weight
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         if features.variable_stride_per_key():

@@ -6,7 +6,8 @@ data-parallel (DENSE) -- and shards with `ShardedSparseCoreEmbeddingBagCollectio
 `ShardedEmbeddingBagCollection` whose strategies build SparseCore lookups
 (`torchrec_plugin.sharding`). Its state (`state_dict`, `load_state_dict`, DCP) is TorchRec's:
 ShardedTensors over the kernels' mirrors, kept in step with the SparseCore tables (see
-`torchrec_plugin.kernels`).
+`torchrec_plugin.kernels`), and its `fused_optimizer` holds the tables' optimizer state in
+TorchRec's layout (`torchrec_plugin.fused_optimizer`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -25,6 +27,7 @@ from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_plugin.groups import host_group
 from torchrec_plugin.planning import index_placements
 from torchrec_plugin.sharding import POOLED_SHARDINGS, SparseCorePooledLookup
 
@@ -48,10 +51,18 @@ def _compute_kernels(sharding_type: str) -> list[str]:
 
 class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """TorchRec's sharded EBC with SparseCore lookups; after every initialisation and load the
-    kernels' mirrors are written into the SparseCore tables."""
+    kernels' mirrors are written into the SparseCore tables. The ShardedTensors of its state dict
+    live on the gloo group beside the sharding group (`torchrec_plugin.groups`), so that DCP can
+    load into a table that has no shard on this rank."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        group = host_group(self._env.process_group)
+        tensors = self._model_parallel_name_to_sharded_tensor
+        for name, tensor in tensors.items():
+            tensors[name] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                tensor.local_shards(), tensor.metadata(), process_group=group
+            )
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.push())
         self.push()
 

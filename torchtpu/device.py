@@ -17,6 +17,7 @@ import torch
 from torchtpu import precision as _precision
 from torchtpu import random as _random
 from torchtpu import device_guard, runtime, storage
+from torchtpu.streams import Stream, current_stream, default_stream, stream  # noqa: F401 (torch.tpu's streams)
 
 
 class Precision(enum.Enum):

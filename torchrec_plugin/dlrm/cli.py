@@ -2,13 +2,15 @@
 
     torchtpu-train-dlrm                                   # the `small` preset, synthetic data
     torchtpu-train-dlrm --size tiny --steps 300 --mode compiled
-    torchtpu-train-dlrm --nproc 2 --devices 2             # two processes, each a stand-in host
-    torchrun --nproc-per-node 2 -m torchrec_plugin.dlrm.cli --devices 2
+    torchtpu-train-dlrm --nproc 2                         # two processes, each a stand-in host
+    torchrun --nproc-per-node 2 -m torchrec_plugin.dlrm.cli
     torchtpu-train-dlrm --checkpoint-dir /tmp/dlrm --checkpoint-every 100 [--resume]
     torchtpu-train-dlrm --data-dir /data/criteo           # TorchRec's Criteo TSV or NPY files
 
-Prints a progress bar (loss, examples/s), the held-out AUC and log-loss every `--eval-every`
-steps, and a summary: throughput and the share of time spent waiting for input.
+The tables are sharded by TorchRec's planner with the plugin's TPU topology and sharders, under
+`DistributedModelParallel`; each process drives one tpu device. Prints a progress bar (loss,
+examples/s), the held-out AUC and log-loss every `--eval-every` steps, and a summary: throughput
+and the share of time spent waiting for input.
 """
 
 from __future__ import annotations
@@ -33,12 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the tables' fused optimizer")
     parser.add_argument("--precision", choices=["default", "high", "highest"], default="default",
                         help="tpu matmul precision (default: bf16 products, as a TPU computes them)")
-    parser.add_argument("--sharding", choices=["direct", "planner"], default="direct",
-                        help="direct: one SparseCore collection over every device (checkpointable); planner: "
-                             "TorchRec's planner and DMP with the plugin's sharders (no checkpoints yet)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes to spawn on this machine")
-    parser.add_argument("--devices", type=int, default=1,
-                        help="tpu devices per process (CPU stand-ins here; see launch.py before raising it)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes to spawn on this machine (each drives one tpu device)")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="steps between held-out evaluations (0: a fifth of the run)")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
@@ -51,25 +49,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "nproc", "devices", "eval_batches"):
+    for name in ("steps", "batch_size", "nproc", "eval_batches"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
-    if args.sharding == "planner" and args.checkpoint_dir is not None:
-        parser.error("--checkpoint-dir needs --sharding direct: the plugin's fused optimizer exposes no state to save")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    planner = args.sharding == "planner"
-    processes = launch.Processes(devices=args.devices, process_group=planner, join_mesh=not planner)
     if args.nproc > 1 and not launch.launched_by_torchrun():
-        launch.spawn(_job, args.nproc, processes, args)
+        launch.spawn(_job, args.nproc, args)
     else:
-        launch.run(_job, processes, args)
+        launch.run(_job, args)
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -82,7 +76,7 @@ def _job(args: argparse.Namespace) -> None:
     if args.batch_size is not None:
         config = config.with_batch_size(args.batch_size)
     steps = args.steps or config.default_steps
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
     options = TrainOptions(
         steps=steps,
         mode=args.mode,
@@ -94,12 +88,7 @@ def _job(args: argparse.Namespace) -> None:
         precision=args.precision,
         progress=args.progress,
     )
-    if args.sharding == "planner":
-        from torchrec_plugin.dlrm.planned import build_planned
-
-        training = build_planned(config, seed=args.seed)
-    else:
-        training = build(config, seed=args.seed)
+    training = build(config, seed=args.seed)
     summary = train(training, _source(args, config, rank, world), options)
     if rank == 0:
         print(summary.report(), flush=True)

@@ -1,25 +1,38 @@
-"""The DLRM-DCN being trained: TorchRec's `DLRM_DCN` with its tables as fused SparseCore tables.
+"""The DLRM-DCN being trained: TorchRec's `DLRM_DCN`, sharded by the plugin's planner and DMP.
 
-`build(config)` gives a `DLRMTraining`: TorchRec's unchanged `DLRM_DCN` whose
-`EmbeddingBagCollection` is a `SparseCoreEmbeddingBagCollection` (every table MOD-sharded over all
-SparseCores of every tpu device, (row-wise) Adagrad applied inside the backward), its dense layers on `tpu`
-with `torch.optim.Adagrad`, and the host preparation a prefetching loader runs ahead of each step.
+`build(config, seed)` builds TorchRec's unchanged `DLRM_DCN` on CPU (tables and dense layers from
+`torch.manual_seed(seed)`), marks its tables for TorchRec's fused (row-wise) Adagrad with
+`apply_optimizer_in_backward`, asks `torchrec_plugin.planner` for a plan over the processes of
+the default group and shards the model with `DistributedModelParallel` and the plugin's sharders:
+each table's shards are looked up and updated on the SparseCores of their process's device. The
+dense layers move to `tpu` and train with `torch.optim.Adagrad`.
 
-`reference(training)` builds the same model for plain TorchRec on CPU -- its own
-`EmbeddingBagCollection` with the same optimizer applied in the backward, the same dense layers and
-optimizer -- from the same initial weights: the numerical reference of the training job.
+Two choices follow from what the tpu device offers today:
+
+* tables are planned table-, row- or column-wise, not data-parallel, and DMP does not wrap the
+  dense layers in DDP (`init_data_parallel=False`): DDP's backward asks the device for a
+  pinned-memory allocator that torchtpu does not register. The training loop all-reduces the
+  dense gradients itself (one flat collective per step), as DDP would.
+* a batch's KJT goes to `tpu` as it is; the sharded collection's input distribution and the
+  SparseCore preprocessing run inside its forward.
+
+`reference(config, seed)` builds the same model for plain TorchRec on CPU -- its own
+`EmbeddingBagCollection` with the same optimizer applied in the backward, the same dense layers
+and optimizer -- from the same seed: the numerical reference of the training job.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.models.dlrm import DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -27,12 +40,11 @@ from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embeddings import SparseCoreBatch, SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingConfig, runtime_topology
-from sparsecore.optimizers import Adagrad, RowWiseAdagrad
-from sparsecore.topology import Topology
+import torchrec_plugin
 from torchrec_plugin.dlrm.config import DLRMConfig
 
 __all__ = [
+    "SHARDING_TYPES",
     "SPARSE_PREFIX",
     "DLRMTraining",
     "PreparedBatch",
@@ -48,43 +60,85 @@ __all__ = [
 SPARSE_PREFIX = "sparse_arch.embedding_bag_collection."
 """Where `DLRM_DCN` keeps its embedding collection (the tables' names in its state dict)."""
 
+SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value)
+"""What the planner may choose for a table (see the module docstring for data-parallel)."""
+
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """A batch ready for the step: dense features and labels on `tpu`, sparse features
-    preprocessed into the SparseCore buffers (or, for the DMP-sharded model, the KJT on `tpu`)."""
+    """A batch ready for the step: dense features, the KJT and labels on `tpu`."""
 
     dense: torch.Tensor
-    sparse: SparseCoreBatch | KeyedJaggedTensor
+    sparse: KeyedJaggedTensor
     labels: torch.Tensor
 
 
 @dataclass
 class DLRMTraining:
-    """The model, its tables (the `SparseCoreEmbeddingBagCollection` of `build`; None when the
-    plugin's DMP holds them, see `planned`), the optimizer of its dense layers, and how a batch's
-    sparse features are made ready for the model (`prepare_sparse`)."""
+    """The sharded model (its `fused_optimizer` trains the tables in the backward), the optimizer
+    of its dense layers, and the device this process drives."""
 
     config: DLRMConfig
-    model: nn.Module
-    tables: SparseCoreEmbeddingBagCollection | None
+    model: DistributedModelParallel
     dense_optimizer: torch.optim.Optimizer
-    prepare_sparse: Callable[[KeyedJaggedTensor], Any]
-    tables_average_processes: bool = False
-    """True when the tables average their gradient over processes (TorchRec's sharded modules
-    divide it by the world size); the SparseCore collection sums every process's gradient."""
+    device: torch.device
 
     def prepare(self, batch: Batch) -> PreparedBatch:
-        """Host preprocessing of one batch and its transfer to the device (what the prefetching
-        loader runs on its worker thread)."""
+        """A batch's transfer to the device (what the prefetching loader runs on its worker thread)."""
         return PreparedBatch(
-            dense=batch.dense_features.to("tpu"),
-            sparse=self.prepare_sparse(batch.sparse_features),
-            labels=batch.labels.to(torch.float32).to("tpu"),
+            dense=batch.dense_features.to(self.device),
+            sparse=batch.sparse_features.to(self.device),
+            labels=batch.labels.to(torch.float32).to(self.device),
         )
 
     def dense_parameters(self) -> dict[str, nn.Parameter]:
         return dense_parameters(self.model)
+
+
+def build(config: DLRMConfig, seed: int = 0, topology: str = "cpu") -> DLRMTraining:
+    """The model sharded by the plugin's plan over the default group's processes (one tpu device
+    each), from `seed`; `topology` names the chip preset the planner plans for ("cpu" is the
+    stand-in). Every process of the default group calls it."""
+    if not dist.is_initialized():
+        raise RuntimeError("the training model needs torch.distributed initialised (launch.run does it)")
+    group = dist.group.WORLD
+    model = _cpu_model(config, seed)
+    initial = {key: value.clone() for key, value in model.state_dict().items()}
+    constraints = {table.name: ParameterConstraints(sharding_types=list(SHARDING_TYPES))
+                   for table in embedding_bag_configs(config)}
+    planner = torchrec_plugin.planner(
+        topology=torchrec_plugin.topology(topology, world_size=dist.get_world_size()),
+        batch_size=config.batch_size,
+        constraints=constraints,
+    )
+    sharders = torchrec_plugin.sharders()
+    plan = planner.collective_plan(model, sharders, group)
+    device = torch.device("tpu", 0)
+    sharded = DistributedModelParallel(
+        model, device=device, plan=plan, sharders=sharders, env=ShardingEnv.from_process_group(group),
+        init_data_parallel=False,
+    ).to(device)
+    # Sharding a module that lives on the CPU does not copy its weights into the shards.
+    sharded.load_state_dict(initial)
+    return DLRMTraining(config, sharded, dense_optimizer(config, dense_parameters(sharded).values()), device)
+
+
+def reference(config: DLRMConfig, seed: int = 0) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
+    """Plain TorchRec on CPU with the initial weights of `build(config, seed)`:
+    `EmbeddingBagCollection` with the table optimizer in the backward, the same dense layers,
+    `torch.optim.Adagrad` for them."""
+    model = _cpu_model(config, seed)
+    return model, dense_optimizer(config, dense_parameters(model).values())
+
+
+def _cpu_model(config: DLRMConfig, seed: int) -> DLRM_DCN:
+    """TorchRec's DLRM_DCN on CPU, tables and dense layers from `seed`, the tables marked for
+    the fused optimizer."""
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("cpu"))
+    model = dlrm_dcn(config, ebc, torch.device("cpu"), seed)
+    apply_table_optimizer(config, model.sparse_arch)
+    return model
 
 
 def embedding_bag_configs(config: DLRMConfig) -> list[EmbeddingBagConfig]:
@@ -94,46 +148,6 @@ def embedding_bag_configs(config: DLRMConfig) -> list[EmbeddingBagConfig]:
                            feature_names=[feature])
         for feature, rows in zip(config.feature_names, config.num_embeddings)
     ]
-
-
-def sparsecore_tables(config: DLRMConfig, topology: Topology) -> list[SparseCoreEmbeddingConfig]:
-    """The tables with SparseCore limits that no batch of the configured multi-hot sizes can pass:
-    one SparseCore's samples send at most `samples x hot` ids to a partition, and at most the
-    partition's rows, `ceil(rows / SparseCores)`, distinct ones."""
-    global_batch = config.batch_size * topology.num_hosts
-    samples_per_sparsecore = math.ceil(global_batch / topology.num_sparsecores)
-    tables = []
-    for table, hot in zip(embedding_bag_configs(config), config.multi_hot_sizes):
-        ids = samples_per_sparsecore * hot
-        unique = min(ids, math.ceil(table.num_embeddings / topology.num_sparsecores))
-        tables.append(SparseCoreEmbeddingConfig(table, max_ids_per_partition=ids, max_unique_ids_per_partition=unique))
-    return tables
-
-
-def build(config: DLRMConfig, seed: int = 0) -> DLRMTraining:
-    """The training model on `tpu`: tables initialised from `seed` on the device, dense layers
-    from `torch.manual_seed(seed)`."""
-    topology = runtime_topology()
-    spec = RowWiseAdagrad if config.table_optimizer == "rowwise_adagrad" else Adagrad
-    optimizer = spec(learning_rate=config.embedding_learning_rate, epsilon=config.epsilon)
-    tables = SparseCoreEmbeddingBagCollection(
-        sparsecore_tables(config, topology), batch_size=config.batch_size, optimizer=optimizer, topology=topology,
-        seed=seed,
-    )
-    model = dlrm_dcn(config, tables, torch.device("tpu"), seed).to("tpu")
-    optimizer = dense_optimizer(config, dense_parameters(model).values())
-    return DLRMTraining(config, model, tables, optimizer, prepare_sparse=tables.prepare)
-
-
-def reference(training: DLRMTraining) -> tuple[DLRM_DCN, torch.optim.Optimizer]:
-    """Plain TorchRec on CPU with `training`'s current weights: `EmbeddingBagCollection` with
-    the table optimizer in the backward, the same dense layers, `torch.optim.Adagrad` for them."""
-    config = training.config
-    ebc = EmbeddingBagCollection(tables=embedding_bag_configs(config), device=torch.device("cpu"))
-    model = dlrm_dcn(config, ebc, torch.device("cpu"), seed=0)
-    model.load_state_dict({key: value.detach().cpu() for key, value in training.model.state_dict().items()})
-    apply_table_optimizer(config, ebc)
-    return model, dense_optimizer(config, dense_parameters(model).values())
 
 
 def apply_table_optimizer(config: DLRMConfig, module: nn.Module) -> None:

@@ -1,9 +1,9 @@
 """The training loop: steps fed by a prefetching loader, held-out evaluation, checkpoints, summary.
 
 `train(training, source, options)` runs steps `start+1 .. options.steps` of `training` (a
-`model.DLRMTraining`) on `source`'s batches: each batch is made and preprocessed on the loader's
-worker thread while the previous step runs; the step is the BCE loss of DLRM-DCN's logit, one
-backward (which applies the tables' fused Adagrad) and the dense Adagrad step. Every
+`model.DLRMTraining`) on `source`'s batches: each batch is made and moved to the device on the
+loader's worker thread while the previous step runs; the step is the BCE loss of DLRM-DCN's
+logit, one backward (which applies the tables' fused Adagrad) and the dense Adagrad step. Every
 `eval_every` steps the held-out AUC and log-loss are measured, every `checkpoint_every` steps a
 checkpoint is written; `resume` continues from the last checkpoint. Modes: `strict` and `defer`
 (the eager executors) or `compiled` (`torch.compile(backend="tpu")` over the model).
@@ -12,13 +12,12 @@ Launches of multi-device programs are serialised between the training thread and
 worker (`_LAUNCHES`): on XLA:CPU, two threads launching programs over the same devices at once
 can order them differently per device, and a collective then waits forever for its peers (seen
 here as a rendezvous timeout). The worker makes the batch on the host unlocked and takes the lock
-only for `prepare` (the preprocessing and the transfer to the mesh).
+only for `prepare` (the transfer to the device).
 
-With several processes (`torch.distributed` initialised, a group serving `tpu` tensors), each
-trains on its own samples and every weight moves by the gradient of the mean loss over all
-processes' samples, as under TorchRec's DMP: the dense gradients are all-reduced (DDP's job,
-done here in one flat collective), the tables average (DMP) or sum the gradients of the
-processes' losses divided by their number (the SparseCore collection).
+With several processes each trains on its own samples and every weight moves by the gradient
+of the mean loss over all processes' samples, as under TorchRec's DMP: the sharded tables
+average their gradients over processes, and the dense gradients are all-reduced and divided by
+the process count (DDP's job, done here in one flat collective).
 """
 
 from __future__ import annotations
@@ -135,9 +134,6 @@ class Summary:
 
 def train(training: DLRMTraining, source: BatchSource, options: TrainOptions) -> Summary:
     """Run the job (see the module docstring); every process of a multi-process job calls it."""
-    if options.checkpoint_dir is not None and training.tables is None:
-        raise ValueError("checkpoints need the SparseCore tables' optimizer state, which the DMP-sharded model "
-                         "does not expose (see torchrec_plugin.dlrm.planned): train with --sharding direct")
     start = checkpoint.restore(training, options.checkpoint_dir) if options.resume else 0
     if start > options.steps:
         raise ValueError(f"the checkpoint in {options.checkpoint_dir} is at step {start}, past --steps {options.steps}")
@@ -200,14 +196,9 @@ def _train_step(training: DLRMTraining, forward, batch: PreparedBatch, processes
     logits = forward(batch.dense, batch.sparse).squeeze(-1)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
     training.dense_optimizer.zero_grad()
-    if processes == 1:
-        loss.backward()
-    elif training.tables_average_processes:
-        loss.backward()
+    loss.backward()
+    if processes > 1:
         _all_reduce_dense_gradients(training, scale=1.0 / processes)
-    else:
-        (loss / processes).backward()
-        _all_reduce_dense_gradients(training, scale=1.0)
     training.dense_optimizer.step()
     return loss.detach()
 
@@ -225,8 +216,7 @@ def _all_reduce_dense_gradients(training: DLRMTraining, scale: float) -> None:
     grads = [p.grad for p in training.dense_parameters().values() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
-    if scale != 1.0:
-        flat = flat * scale
+    flat = flat * scale
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

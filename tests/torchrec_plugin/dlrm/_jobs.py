@@ -1,5 +1,6 @@
 """What the DLRM job tests run in a fresh process with ONE stand-in device (see
-`test_train._run_job`): several processes' worth of training without in-process collectives.
+`test_train._run_job`): the job as one process of torch.distributed (`launch.run`), as the CLI
+runs it.
 
 Each function writes what the test checks as JSON to `out`."""
 
@@ -10,11 +11,12 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrec_plugin.dlrm import checkpoint
+from torchrec_plugin.dlrm import checkpoint, launch
 from torchrec_plugin.dlrm.config import preset
-from torchrec_plugin.dlrm.model import build, dense_parameters, reference
+from torchrec_plugin.dlrm.model import DLRMTraining, build, reference
 from torchrec_plugin.dlrm.synthetic import SyntheticCriteo
 from torchrec_plugin.dlrm.train import TrainOptions, train
 
@@ -26,6 +28,10 @@ def _options(steps: int, mode: str, **kwargs) -> TrainOptions:
 
 
 def learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
+    launch.run(_learn_and_resume, out, directory, steps, mode)
+
+
+def _learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
     """An uninterrupted run; the same run as a first half that checkpoints and a second half
     resumed from it by a model built from other weights; then a save that dies midway."""
     source = SyntheticCriteo(TINY, seed=0)
@@ -47,7 +53,7 @@ def learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
         json.dump(result, f)
 
 
-def _failed_save_keeps_previous(trained, directory: str, step: int) -> dict:
+def _failed_save_keeps_previous(trained: DLRMTraining, directory: str, step: int) -> dict:
     """Save again, dying after the data is written (before the metadata): what the checkpoint
     then restores into a model built from other weights."""
     write_data = dcp.FileSystemWriter.write_data
@@ -65,21 +71,46 @@ def _failed_save_keeps_previous(trained, directory: str, step: int) -> dict:
             raised = "disk gone" in str(error)
     restored = build(TINY, seed=2)
     restored_step = checkpoint.restore(restored, directory)
-    restored_tables = restored.tables.state_dict()
-    tables_equal = all(torch.equal(restored_tables[key], value) for key, value in trained.tables.state_dict().items())
-    dense_equal = all(
-        torch.equal(a.cpu(), b.cpu())
-        for a, b in zip(dense_parameters(restored.model).values(), dense_parameters(trained.model).values())
-    )
-    return {"raised": raised, "step": restored_step, "tables_equal": tables_equal, "dense_equal": dense_equal}
+    expected, got = _state(trained), _state(restored)
+    return {
+        "raised": raised,
+        "step": restored_step,
+        "state_keys_equal": sorted(got) == sorted(expected),
+        "state_equal": all(torch.equal(got[key], value) for key, value in expected.items()),
+    }
+
+
+def _state(training: DLRMTraining) -> dict[str, torch.Tensor]:
+    """Everything a checkpoint restores, on the host: the model's state dict (each table's local
+    shards), the fused optimizer's (the tables' Adagrad state) and the dense Adagrad's."""
+    out = {}
+    for key, value in training.model.state_dict().items():
+        out.update(_local(key, value))
+    for key, entries in training.model.fused_optimizer.state_dict()["state"].items():
+        for name, value in entries.items():
+            out.update(_local(f"{key}/{name}", value))
+    for name, parameter in training.dense_parameters().items():
+        for slot, value in training.dense_optimizer.state[parameter].items():
+            out[f"{name}/{slot}"] = value.detach().cpu()
+    return out
+
+
+def _local(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not isinstance(value, ShardedTensor):
+        return {key: value.detach().cpu()}
+    return {f"{key}@{shard.metadata.shard_offsets}": shard.tensor.detach().cpu() for shard in value.local_shards()}
 
 
 def cpu_parity(out: str, steps: int, mode: str) -> None:
+    launch.run(_cpu_parity, out, steps, mode)
+
+
+def _cpu_parity(out: str, steps: int, mode: str) -> None:
     """Losses of the job on tpu at the `highest` precision and of plain TorchRec on CPU, from the
-    same initial weights on the same batches."""
+    same seed on the same batches."""
     source = SyntheticCriteo(TINY, seed=3)
     training = build(TINY, seed=3)
-    cpu_model, cpu_optimizer = reference(training)
+    cpu_model, cpu_optimizer = reference(TINY, seed=3)
     summary = train(training, source, _options(steps, mode, precision="highest"))
     expected = []
     for step in range(1, steps + 1):

@@ -1,0 +1,84 @@
+"""`torch.tpu` streams: each device's one in-order queue, for code written against CUDA streams.
+
+A tpu device runs what is issued to it in issue order (one PJRT queue per device; in defer mode,
+in the order the fused programs are flushed). There is no second queue to overlap work on, so
+every stream of a device stands for that queue: `current_stream()` and `default_stream()` return
+it, `Stream()` names it again, `wait_stream` has nothing to order, and `synchronize()` waits for
+everything issued to the device (`torch.tpu.synchronize`). Device-agnostic code that asks for
+streams -- DCP's copy-ahead writer, TorchRec's train pipelines -- then runs its stages in order
+instead of overlapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+__all__ = ["Stream", "current_stream", "default_stream", "stream"]
+
+
+class Stream:
+    """The queue of tpu device `device` (default: the current device). `priority` is accepted
+    for CUDA-style callers; one queue has no priorities."""
+
+    device_type = "tpu"
+
+    def __init__(self, device: int | str | torch.device | None = None, priority: int = 0) -> None:
+        from torchtpu import device as tpu
+
+        self.device = torch.device("tpu", tpu._index(device))
+        self.priority = priority
+
+    @property
+    def device_index(self) -> int:
+        return self.device.index
+
+    def synchronize(self) -> None:
+        """Wait until everything issued to the device has finished."""
+        from torchtpu import device as tpu
+
+        tpu.synchronize(self.device)
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Order this stream after `stream`: already so on one device's queue. Streams of two
+        devices have no order between them, so that is an error."""
+        if not isinstance(stream, Stream):
+            raise TypeError(f"wait_stream expects a torch.tpu.Stream, got {type(stream).__name__}")
+        if stream.device != self.device:
+            raise ValueError(f"a stream of {self.device} cannot wait for a stream of {stream.device}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.device == self.device
+
+    def __hash__(self) -> int:
+        return hash(self.device)
+
+    def __repr__(self) -> str:
+        return f"torch.tpu.Stream(device={self.device})"
+
+
+def current_stream(device: int | str | torch.device | None = None) -> Stream:
+    """The queue of `device` (default: the current tpu device)."""
+    return Stream(device)
+
+
+def default_stream(device: int | str | torch.device | None = None) -> Stream:
+    """The queue of `device`: the same stream as `current_stream`."""
+    return Stream(device)
+
+
+@contextlib.contextmanager
+def stream(stream: Stream | None) -> Iterator[None]:
+    """Issue the block's work to `stream`: its device's one queue, where it goes anyway; makes
+    the stream's device current meanwhile, as CUDA's does. `None` changes nothing."""
+    if stream is None:
+        yield
+        return
+    if not isinstance(stream, Stream):
+        raise TypeError(f"torch.tpu.stream expects a torch.tpu.Stream or None, got {type(stream).__name__}")
+    from torchtpu import device as tpu
+
+    with tpu.device(stream.device):
+        yield

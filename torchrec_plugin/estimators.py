@@ -10,6 +10,11 @@ Storage counts what lives in HBM for a shard of `[rows, cols]` (never 0 bytes):
   workspace (one padded row per expected id) and the activations with their gradients.
 * Data-parallel (DENSE) shards: the table, its gradient, two dense optimizer slots, activations.
 
+An `EmbeddingCollection`'s (unpooled) shards output one row per id instead of one per sample and
+feature; on SparseCore a sequence feature's activations are a static `[samples, max_seq_len]`
+block (`torchrec_plugin.sequence_lengths`), so its FUSED shards count that block, with the
+`max_seq_len` the sharder is given for the table.
+
 Perf (TorchRec's `Perf`, in ms) comes from the topology's bandwidths: the lookup reads one padded
 row per id and writes the pooled outputs (HBM bandwidth); the fused update reads and writes the
 touched rows and their slots; the collectives move ids and pooled outputs over ICI within a slice
@@ -33,6 +38,7 @@ from torchrec.distributed.types import ShardingType
 
 from sparsecore.layout import round_up
 from torchrec_plugin.hardware import TpuTopology
+from torchrec_plugin.sequence_lengths import MAX_SEQ_LEN, sequence_lengths
 
 __all__ = ["ID_HEADROOM", "ShardCost", "TpuPerfEstimator", "TpuStorageEstimator", "shard_cost"]
 
@@ -81,14 +87,17 @@ def _comms_bandwidth(topology: Topology) -> float:
     return topology.intra_host_bw if topology.world_size <= topology.local_world_size else topology.inter_host_bw
 
 
-def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology) -> ShardCost:
-    """HBM and perf of one shard of `option` of `size` = [rows, cols] (see the module docstring)."""
+def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology,
+               max_seq_len: int | None = None) -> ShardCost:
+    """HBM and perf of one shard of `option` of `size` = [rows, cols] (see the module docstring);
+    `max_seq_len` is needed for the FUSED shards of an unpooled (sequence) table."""
     rows, cols = size
     features = option.num_inputs
     hbm_bw, comms_bw = topology.hbm_mem_bw, _comms_bandwidth(topology)
+    pooled = option.is_pooled
     if option.sharding_type == ShardingType.DATA_PARALLEL.value:
         ids = option.batch_size * sum(option.input_lengths)
-        outputs = option.batch_size * features * cols * _F32
+        outputs = (option.batch_size * features if pooled else ids) * cols * _F32
         table = rows * cols * _F32
         perf = Perf(
             fwd_compute=(ids * cols * _F32 + outputs) / hbm_bw,
@@ -98,6 +107,8 @@ def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology) -
         )
         return ShardCost(table=table + table, optimizer=2 * table, mirror=0, buffers=0,
                          activations=2 * outputs, perf=perf)
+    if not pooled and max_seq_len is None:
+        raise ValueError(f"table {option.name!r}: the cost of a sequence table's SparseCore shard needs max_seq_len")
     chip = topology.chip
     padded_rows = round_up(max(rows, 1), 8 * chip.sparsecores_per_device)
     padded_cols = round_up(cols, chip.embedding_dim_alignment)
@@ -106,13 +117,15 @@ def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology) -
     ids = _ids_per_step(option, global_batch, row_shards)
     static_ids = math.ceil(ids * ID_HEADROOM)
     full, narrow = _SLOT_WIDTHS[optimizer_name(option)]
-    outputs = global_batch * features * padded_cols * _F32
+    rows_out = global_batch * features * (1 if pooled else max_seq_len)
+    outputs = rows_out * padded_cols * _F32
+    sent = (global_batch * features if pooled else global_batch * sum(option.input_lengths)) * cols * _F32
     row_bytes = padded_cols * _F32
     perf = Perf(
         fwd_compute=(ids * row_bytes + outputs) / hbm_bw,
-        fwd_comms=(global_batch * features * cols * _F32) / comms_bw,
+        fwd_comms=sent / comms_bw,
         bwd_compute=(ids * row_bytes * (2 + 2 * full) + ids * narrow * 2 * _F32 + outputs) / hbm_bw,
-        bwd_comms=(global_batch * features * cols * _F32) / comms_bw,
+        bwd_comms=sent / comms_bw,
         input_dist_comms=(ids * _ID_BYTES) / comms_bw,
     )
     return ShardCost(
@@ -123,6 +136,15 @@ def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology) -
         activations=2 * outputs,
         perf=perf,
     )
+
+
+def _max_seq_len(option: ShardingOption, sharder_data_map) -> int | None:
+    """The `max_seq_len` the option's sharder sets for its table (unpooled FUSED options only)."""
+    if option.is_pooled or option.sharding_type == ShardingType.DATA_PARALLEL.value:
+        return None
+    data = (sharder_data_map or {}).get(option.module_type_key)
+    setting = (data.fused_params or {}).get(MAX_SEQ_LEN) if data is not None else None
+    return sequence_lengths(setting, [option.name])[option.name]
 
 
 class _TpuEstimator(ShardEstimator):
@@ -138,8 +160,9 @@ class TpuStorageEstimator(_TpuEstimator):
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
+            max_seq_len = _max_seq_len(option, sharder_data_map)
             for shard in option.shards:
-                shard.storage = Storage(hbm=shard_cost(option, shard.size, self._topology).hbm, ddr=0)
+                shard.storage = Storage(hbm=shard_cost(option, shard.size, self._topology, max_seq_len).hbm, ddr=0)
 
 
 class TpuPerfEstimator(_TpuEstimator):
@@ -147,5 +170,6 @@ class TpuPerfEstimator(_TpuEstimator):
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
+            max_seq_len = _max_seq_len(option, sharder_data_map)
             for shard in option.shards:
-                shard.perf = shard_cost(option, shard.size, self._topology).perf
+                shard.perf = shard_cost(option, shard.size, self._topology, max_seq_len).perf

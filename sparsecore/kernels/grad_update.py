@@ -78,7 +78,10 @@ def merge_unique_rows(unique: Array, geometry: KernelGeometry) -> tuple[Array, A
 
 def entry_slots(entries: OwnedEntries, slot_of: Array, geometry: KernelGeometry) -> Array:
     """The workspace slot of every owned entry `[W, P]` (0 where the slot holds no entry), from
-    `slot_of [G, S, U]` (`merge_unique_rows`)."""
+    `slot_of [G, S, U]` (`merge_unique_rows`). On one device the merged lists are the device's
+    own, so an entry's slot is its unique-list index."""
+    if geometry.num_devices == 1:
+        return entries.unique_slots
     per_source = geometry.sparsecores_per_device * geometry.unique_rows_per_partition
     source = OwnedEntries.source_device(jnp.arange(entries.rows.shape[0], dtype=jnp.int32), geometry)
     flat = jnp.where(entries.valid, source[:, None] * per_source + entries.unique_slots, 0)

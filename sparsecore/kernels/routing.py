@@ -80,6 +80,8 @@ def route_entries(
     starts, ends = _partition_bounds(row_pointers, geometry)
     s, g, p = geometry.sparsecores_per_device, geometry.num_devices, geometry.padded_window
     with_unique = entry_unique_index is not None
+    if g == 1:
+        return _own_segments(starts, ends, embedding_ids, sample_ids, gains, entry_unique_index, geometry)
     # Each local SparseCore's window to each device: [S, G, S] partition bounds, [S, G, P] slots.
     starts, ends = starts.reshape(s, g, s), ends.reshape(s, g, s)
     position = starts[..., :1] + jnp.arange(p, dtype=jnp.int32)
@@ -98,9 +100,8 @@ def route_entries(
         fields.append(jnp.where(valid, entry_unique_index[index] - first_partition, 0))
     payload = jnp.stack(fields).swapaxes(1, 2)  # [fields, target device, source SparseCore, P]
     used = jnp.minimum(ends[..., -1] - starts[..., 0], p).swapaxes(0, 1)
-    if g > 1:
-        payload = lax.all_to_all(payload, axis_name, split_axis=1, concat_axis=1)
-        used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0)
+    payload = lax.all_to_all(payload, axis_name, split_axis=1, concat_axis=1)
+    used = lax.all_to_all(used, axis_name, split_axis=0, concat_axis=0)
     rows, samples, gain_bits, *unique = payload.reshape(len(fields), g * s, p)
     return OwnedEntries(
         used=used.reshape(g * s),
@@ -108,6 +109,37 @@ def route_entries(
         samples=samples,
         gains=lax.bitcast_convert_type(gain_bits, jnp.float32),
         unique_slots=unique[0] if with_unique else None,
+    )
+
+
+def _own_segments(
+    starts: Array,
+    ends: Array,
+    embedding_ids: Array,
+    sample_ids: Array,
+    gains: Array,
+    entry_unique_index: Array | None,
+    geometry: KernelGeometry,
+) -> OwnedEntries:
+    """A single device's entries: window s is SparseCore s's whole segment, read in place
+    (reshaped, masked, padded to whole chunks) instead of gathered slot by slot."""
+    s, segment, p = geometry.sparsecores_per_device, geometry.segment_size, geometry.padded_window
+    read = min(segment, p)  # a window never holds more than max_ids per partition
+    valid, target = _classify(jnp.broadcast_to(jnp.arange(read, dtype=jnp.int32), (s, read)), starts, ends)
+
+    def field(buffer: Array, fill: int | float, owner_row: bool = False) -> Array:
+        values = buffer.reshape(s, segment)[:, :read]
+        if owner_row:
+            values = target * geometry.rows_per_shard + values
+        values = jnp.where(valid, values, fill)
+        return jnp.pad(values, ((0, 0), (0, p - read)), constant_values=fill) if p > read else values
+
+    return OwnedEntries(
+        used=jnp.minimum(ends[:, -1], p),
+        rows=field(embedding_ids, -1, owner_row=True),
+        samples=field(sample_ids, 0),
+        gains=field(gains, 0.0),
+        unique_slots=None if entry_unique_index is None else field(entry_unique_index, 0),
     )
 
 

@@ -13,7 +13,7 @@ How to use::
     pg = dist.group.WORLD
     topology = torchrec_plugin.topology("v5p", world_size=dist.get_world_size())  # or "v4", "v6e", "tpu7x", "cpu"
     planner = torchrec_plugin.planner(topology=topology, batch_size=B)            # a torchrec EmbeddingShardingPlanner
-    sharders = torchrec_plugin.sharders(fused_params=None)                         # ModuleSharders for tpu
+    sharders = torchrec_plugin.sharders(fused_params=None, max_seq_len=None)       # ModuleSharders for tpu
     plan = planner.collective_plan(model, sharders, pg)                            # planner.plan(model, sharders) in one process
     dmp = DistributedModelParallel(model, device=torch.device("tpu", local_rank), plan=plan,
                                    sharders=sharders, env=ShardingEnv.from_process_group(pg))
@@ -45,12 +45,21 @@ Sharding types and what runs in each shard (`torchrec_plugin.sharders`):
   the device holds them.
 * data-parallel: compute kernel DENSE, an `embedding_bag` on the device, gradients through DDP.
 
+`EmbeddingCollection`s (sequence embeddings, `torchrec_plugin.sequence`) take the types TorchRec's
+own EC sharder offers: table-wise, row-wise, column-wise (FUSED: one row per id, looked up on
+SparseCore) and data-parallel (DENSE: `embedding` on the device, through DDP). SparseCore looks a
+sequence feature up as a static `[samples, max_seq_len]` block, so their FUSED tables need the
+longest sequence a sample may carry: `torchrec_plugin.sharders(max_seq_len=32)` or
+`max_seq_len={table: length}`; a batch with a longer sample raises, naming the feature and both
+lengths (`torchrec_plugin.sequence_lengths`).
+
 One process drives one tpu device. See `torchrec_plugin.hardware` for the chip presets and
 `torchrec_plugin.estimators` for what the planner counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchrec.distributed.types import ModuleSharder
@@ -59,18 +68,24 @@ from torch import nn
 from torchtpu.ops import fbgemm as _fbgemm
 from torchrec_plugin.groups import host_group
 from torchrec_plugin.planning import TpuShardingPlanner, planner
+from torchrec_plugin.sequence import EmbeddingCollectionSharder
 from torchrec_plugin.sharders import EmbeddingBagCollectionSharder
 from torchrec_plugin.hardware import TpuTopology, topology
 
 _fbgemm.install()
 
 __all__ = [
-    "EmbeddingBagCollectionSharder", "TpuShardingPlanner", "TpuTopology", "host_group", "planner", "sharders", "topology",
+    "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "TpuShardingPlanner", "TpuTopology", "host_group",
+    "planner", "sharders", "topology",
 ]
 
 
-def sharders(fused_params: dict[str, Any] | None = None) -> list[ModuleSharder[nn.Module]]:
-    """The sharders for `DistributedModelParallel` on tpu: TorchRec's embedding collections.
-    `fused_params`: defaults of the fused optimizer (e.g. `{"optimizer": EmbOptimType.EXACT_ADAGRAD,
-    "learning_rate": 0.05}`); a table's `apply_optimizer_in_backward` settings take precedence."""
-    return [EmbeddingBagCollectionSharder(fused_params=fused_params)]
+def sharders(fused_params: dict[str, Any] | None = None,
+             max_seq_len: int | Mapping[str, int] | None = None) -> list[ModuleSharder[nn.Module]]:
+    """The sharders for `DistributedModelParallel` on tpu: TorchRec's `EmbeddingBagCollection` and
+    `EmbeddingCollection`. `fused_params`: defaults of the fused optimizer (e.g. `{"optimizer":
+    EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.05}`); a table's `apply_optimizer_in_backward`
+    settings take precedence. `max_seq_len`: the most ids a sample may carry in a feature of an
+    `EmbeddingCollection`'s SparseCore tables, one int or `{table: int}` (`torchrec_plugin.sequence`)."""
+    return [EmbeddingBagCollectionSharder(fused_params=fused_params),
+            EmbeddingCollectionSharder(fused_params=fused_params, max_seq_len=max_seq_len)]

@@ -47,29 +47,49 @@ _skip_backend_frames()
 class GraphCall(opcall.Inputs):
     """One call of a compiled graph, shaped like an op call for the executors.
 
-    With a bucketing `plan` the arguments are at bucket size, and the bounded dimensions' true
-    sizes are runtime values (after the HostRef values, before the RNG key)."""
+    With a bucketing plan (`buckets`) the arguments are at bucket size, and the bounded
+    dimensions' true sizes are runtime values (after the HostRef values, before the RNG key).
+    `plan` is the layout's Plan (as for an op's Call), once the graph has seen the layout."""
 
-    __slots__ = ("graph", "refs", "key", "values", "plan", "n_sizes")
+    __slots__ = ("graph", "refs", "key", "values", "buckets", "n_sizes", "plan")
 
     def __init__(self, compiled: "CompiledGraph", args: Sequence[Any],
-                 plan: bucketing.CallPlan | None = None) -> None:
+                 buckets: bucketing.CallPlan | None = None) -> None:
         super().__init__(f"compiled graph {compiled.name}")
         self.graph = compiled
         self.values = list(args)
-        self.plan = plan
+        self.buckets = buckets
+        self.plan = None
         self.refs = tuple(
             self.tensor(a) if isinstance(a, torch.Tensor) else opcall._freeze(a) for a in args
         )
         if self.device is None:
             self.device = opcall.current_device()
-        sizes = plan.true_sizes() if plan is not None else []
+        sizes = buckets.true_sizes() if buckets is not None else []
         self.n_sizes = len(sizes)
         self.dynamic.extend(sizes)
         if compiled.random:
             self.dynamic.append(tpu_random.next_key_words(self.device))
         self.key = (compiled.name, precision.get_mode(), self.device, tuple(self.storages), self.refs,
-                    plan.key if plan is not None else None)
+                    buckets.key if buckets is not None else None)
+
+    @classmethod
+    def planned(cls, compiled: "CompiledGraph", args: Sequence[Any], plan: opcall.Plan,
+                buffers: list) -> "GraphCall":
+        """The call for a layout the graph has seen: its key, storages and device from `plan`."""
+        call = cls.__new__(cls)
+        call.graph = compiled
+        call.values = args
+        call.buckets = None
+        call.n_sizes = 0
+        call.plan = plan
+        call.key = plan.key
+        call.refs = plan.key[4]
+        call.buffers = buffers
+        call.storages = plan.storages
+        call.device = plan.device
+        call.dynamic = [tpu_random.next_key_words(plan.device)] if compiled.random else []
+        return call
 
     def build(self) -> Program:
         return self.graph.program(self)
@@ -95,6 +115,7 @@ class CompiledGraph:
             isinstance(m, torch.SymInt) or (isinstance(m, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in m.shape))
             for m in self.input_metas
         )
+        self.plans = opcall.plan_table()
         if self.missing:
             counters.count("compiled_graphs_run_eagerly")
             warnings.warn(
@@ -109,12 +130,50 @@ class CompiledGraph:
         from torchtpu.exec.kernels import submit
 
         if not self.symbolic:
-            return submit(GraphCall(self, args))
-        plan = bucketing.plan_call(self.input_metas, args)
-        outs = submit(GraphCall(self, plan.args, plan))
+            return submit(self._call(args))
+        buckets = bucketing.plan_call(self.input_metas, args)
+        outs = submit(GraphCall(self, buckets.args, buckets))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]
-        return [plan.unpad(out, meta) for out, meta in zip(outs, self.output_metas)]
+        return [buckets.unpad(out, meta) for out, meta in zip(outs, self.output_metas)]
+
+    def _call(self, args: Sequence[Any]) -> GraphCall:
+        """The graph's call on `args`. As an op's Encoder does, each argument layout is encoded
+        in full once; later calls with that layout read each argument once and reuse its Plan
+        (compile key, and what the executors derived from it)."""
+        try:
+            layout, buffers = self._layout(args)
+        except opcall.GeneralEncoding:
+            return GraphCall(self, args)
+        plan = self.plans.get(layout)
+        if plan is not None:
+            return GraphCall.planned(self, args, plan, buffers)
+        call = GraphCall(self, args)
+        if (
+            len(buffers) == len(call.buffers)
+            and all(a is b for a, b in zip(buffers, call.buffers))
+            and not any(spec.sharded for spec in call.storages)
+        ):
+            call.plan = self.plans[layout] = opcall.Plan(call)
+        return call
+
+    @staticmethod
+    def _layout(args: Sequence[Any]) -> tuple[tuple, list]:
+        """What decides a call's compile key: each tpu tensor's storage (which earlier argument
+        shares it), dtype and geometry, every other argument's value, the storages, the
+        precision mode. Raises GeneralEncoding for arguments only `GraphCall` reads (CPU
+        tensors, sharded or untyped storages) and for calls without tpu tensors."""
+        buffers: list = []
+        seen: dict[int, int] = {}
+        parts = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                parts.append(opcall.tensor_layout(a, buffers, seen))
+            else:
+                parts.append((type(a), opcall._freeze(a)))
+        if not buffers:
+            raise opcall.GeneralEncoding
+        return (precision.get_mode(), tuple(parts), opcall.storages_layout(buffers)), buffers
 
     def program(self, call: GraphCall) -> Program:
         import jax
@@ -125,7 +184,7 @@ class CompiledGraph:
         mode, platform = call.key[1], runtime.runtime().platform
         gm, random = self.gm, self.random
         n_dynamic = len(call.dynamic)
-        trace_sizes = call.plan.sizes_for_trace() if call.plan is not None else None
+        trace_sizes = call.buckets.sizes_for_trace() if call.buckets is not None else None
         n_sizes = call.n_sizes
 
         def values_of(flat_inputs):

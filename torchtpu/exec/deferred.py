@@ -116,7 +116,7 @@ def record(call: opcall.Call) -> Any:
     A call on sharded tensors (spread over the mesh) is not fused with single-device work: the
     pending graph runs first, then the call runs on its own."""
     with _state.lock:
-        if (type(call) is not opcall.Call or call.plan is None) and any(spec.sharded for spec in call.storages):
+        if call.plan is None and any(spec.sharded for spec in call.storages):
             flush("sharded op")
             return eager.run(call)
         return _record(call)
@@ -139,7 +139,7 @@ def _record(call: opcall.Call) -> Any:
         _state.boundary = _state.last_key
     _state.last_key = call.key
     graph = _state.graph
-    plan = call.plan if type(call) is opcall.Call else None  # a compiled graph's call has none
+    plan = call.plan
     if plan is None:
         program = opcall.program_for(call)
         shapes = _output_avals(call, program)

@@ -93,7 +93,7 @@ def describe_key_difference(a: tuple, b: tuple) -> str:
 
 def run(call: opcall.Inputs) -> Any:
     """Run one encoded call now (strict/debug modes) and return its Python result."""
-    plan = call.plan if type(call) is opcall.Call else None  # a compiled graph's call has none
+    plan = call.plan
     exe = plan.executable if plan is not None else None
     if exe is None:
         exe = _cache.get(call.key)

@@ -18,6 +18,7 @@ import bisect
 import itertools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -210,13 +211,26 @@ class Plan:
         self.avals: list | None = None
 
 
-class _General(Exception):
+class GeneralEncoding(Exception):
     """The call needs the general encoding (`encode`): a CPU or meta tensor, a storage without
     its element type yet, a sharded storage, an argument of another kind than usual."""
 
 
+class PlanTable(dict):
+    """Layout -> Plan of one op or compiled graph; `clear_plans` empties every table."""
+
+
+_plan_tables: list["weakref.ref[PlanTable]"] = []
+
+
+def plan_table() -> PlanTable:
+    table = PlanTable()
+    _plan_tables[:] = [ref for ref in _plan_tables if ref() is not None]
+    _plan_tables.append(weakref.ref(table))
+    return table
+
+
 _NUMBERS = (bool, int, float, complex)
-_encoders: list["Encoder"] = []
 
 
 class Encoder:
@@ -238,8 +252,7 @@ class Encoder:
         self.args = tuple((arg.kind, dynamic, arg.has_default, arg.default) for arg in self.sig.args)
         # out= calls resize their outputs first (`_resize_outs`): they always take `encode`.
         self.remembers = not self.sig.is_out
-        self.plans: dict[tuple, Plan] = {}
-        _encoders.append(self)
+        self.plans = plan_table()
 
     def encode(self, args: tuple, kwargs: dict) -> Call:
         layout = None
@@ -248,7 +261,7 @@ class Encoder:
                 values = self.sig.normalize(args, kwargs)
                 layout, buffers, dynamic = self._layout(values)
                 plan = self.plans.get(layout)
-            except (_General, TypeError, AttributeError):
+            except (GeneralEncoding, TypeError, AttributeError):
                 plan = layout = None
             if plan is not None:
                 return self._planned(plan, values, buffers, dynamic)
@@ -303,7 +316,7 @@ class Encoder:
                     continue
                 buffer = getattr(v.untyped_storage(), BUFFER_ATTR, None)
                 if buffer is None or buffer.untyped or buffer.sharded:
-                    raise _General
+                    raise GeneralEncoding
                 index = seen.get(id(buffer))
                 if index is None:
                     index = seen[id(buffer)] = len(buffers)
@@ -318,9 +331,9 @@ class Encoder:
                     dynamic.append(v)
                     parts.append(type(v))
                 else:
-                    raise _General
+                    raise GeneralEncoding
             elif kind is _TENSOR_LIST:
-                parts.append(tuple([None if t is None else _tensor_layout(t, buffers, seen) for t in v]))
+                parts.append(tuple([None if t is None else tensor_layout(t, buffers, seen) for t in v]))
             else:  # SCALAR_LIST
                 items = []
                 for x in v:
@@ -330,19 +343,18 @@ class Encoder:
                         dynamic.append(x)
                         items.append(type(x))
                     else:
-                        raise _General
+                        raise GeneralEncoding
                 parts.append(tuple(items))
         if not buffers:
-            raise _General  # the device comes from a device argument or the current device
-        storages = tuple([(b.dtype, b.numel, b.value is not None, b.device) for b in buffers])
-        return (precision.get_mode(), tuple(parts), storages), buffers, dynamic
+            raise GeneralEncoding  # the device comes from a device argument or the current device
+        return (precision.get_mode(), tuple(parts), storages_layout(buffers)), buffers, dynamic
 
 
-def _tensor_layout(t, buffers: list, seen: dict) -> tuple:
+def tensor_layout(t, buffers: list, seen: dict) -> tuple:
     """A `tpu` tensor argument's part of a layout (and its storage's buffer, once per storage)."""
     buffer = getattr(t.untyped_storage(), BUFFER_ATTR, None)
     if buffer is None or buffer.untyped or buffer.sharded:
-        raise _General
+        raise GeneralEncoding
     index = seen.get(id(buffer))
     if index is None:
         index = seen[id(buffer)] = len(buffers)
@@ -350,13 +362,20 @@ def _tensor_layout(t, buffers: list, seen: dict) -> tuple:
     return (index, t.dtype, t.shape, t.stride(), t.storage_offset(), t.is_conj(), t.is_neg())
 
 
+def storages_layout(buffers: list) -> tuple:
+    """The storages' part of a layout: what their StorageSpecs say, and their devices."""
+    return tuple([(b.dtype, b.numel, b.value is not None, b.device) for b in buffers])
+
+
 _TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = ArgKind.TENSOR, ArgKind.TENSOR_LIST, ArgKind.SCALAR, ArgKind.STATIC
 
 
 def clear_plans() -> None:
     """Forget every remembered layout (their plans hold compiled executables)."""
-    for encoder in _encoders:
-        encoder.plans.clear()
+    for ref in _plan_tables:
+        table = ref()
+        if table is not None:
+            table.clear()
 
 
 def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowering) -> Call:

@@ -16,8 +16,10 @@ all 8 tables stacked into one SparseCore stack. Limits come from one warm-up pas
 
 and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, not absolute times,
 are the result: the steps of one configuration are timed interleaved (one repeat of each in turn),
-so a change in machine load hits all of them alike. The load average (1 minute) is printed after
-each configuration, since other processes on a small machine move every number.
+so a change in machine load hits all of them alike, and each ratio is the median of the per-round
+ratios (steps of one round ran under the same load; a median of medians would pair times taken
+under different loads). The load average (1 minute) is printed after each configuration, since
+other processes on a small machine move every number.
 
     .venv/bin/python -m benchmarks.sparsecore [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -48,9 +49,9 @@ IDS_PER_BAG = 20
 LEARNING_RATE = 0.01
 
 
-def interleaved_medians(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall milliseconds of each step; one warm-up call each (which compiles), then
-    `repeats` rounds that run every step once."""
+def interleaved_times(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall milliseconds of each step in each of `repeats` rounds, after one warm-up call each
+    (which compiles); a round runs every step once, so the steps of a round share its load."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -58,8 +59,24 @@ def interleaved_medians(steps: dict[str, Callable[[], object]], repeats: int) ->
         for name, step in steps.items():
             start = time.perf_counter()
             step()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _row(step: str, times: dict[str, list[float]], ours: str, host: str, fbgemm: str) -> tuple:
+    """(step, FBGEMM ms, device ms, host ms, device/FBGEMM, total/FBGEMM): medians of the times,
+    and ratios as medians of the per-round ratios (each round's steps ran under the same load).
+    FBGEMM's time in a round is the faster of its default thread count and one thread."""
+    baseline = np.minimum(times[fbgemm], times[f"{fbgemm} 1 thread"])
+    device, prep = np.asarray(times[ours]), np.asarray(times[host])
+    return (
+        step,
+        float(np.median(baseline)),
+        float(np.median(device)),
+        float(np.median(prep)),
+        float(np.median(device / baseline)),
+        float(np.median((device + prep) / baseline)),
+    )
 
 
 def workload(rows: int, dim: int, seed: int = 0):
@@ -163,8 +180,8 @@ class SparseCore:
 
 
 def run(rows: int, dim: int, topology: Topology, repeats: int, threads: int) -> list[tuple]:
-    """Rows (step, FBGEMM ms, device ms, host ms) of one configuration. FBGEMM counts as the
-    faster of torch's default thread count and one thread."""
+    """Rows (step, FBGEMM ms, device ms, host ms, device/FBGEMM, total/FBGEMM) of one
+    configuration (see `_row`)."""
     ids, grads = workload(rows, dim)
     results = []
     for label, fbgemm_name, spec in (
@@ -188,12 +205,10 @@ def run(rows: int, dim: int, topology: Topology, repeats: int, threads: int) -> 
                     "fbgemm forward 1 thread": baseline.single_threaded(baseline.forward),
                 }
             )
-        ms = interleaved_medians(steps, repeats)
+        times = interleaved_times(steps, repeats)
         if not results:
-            fbgemm = min(ms["fbgemm forward"], ms["fbgemm forward 1 thread"])
-            results.append(("forward", fbgemm, ms["forward"], ms["host lookup"]))
-        fbgemm = min(ms["fbgemm train"], ms["fbgemm train 1 thread"])
-        results.append((f"fwd+bwd+{label}", fbgemm, ms["train"], ms["host"]))
+            results.append(_row("forward", times, "forward", "host lookup", "fbgemm forward"))
+        results.append(_row(f"fwd+bwd+{label}", times, "train", "host", "fbgemm train"))
         del ours, baseline, steps  # free both copies of the tables before the next pair
         gc.collect()
     return results
@@ -218,11 +233,12 @@ def main() -> None:
     print(header)
     for rows in args.rows:
         for dim in args.dims:
-            for step, fbgemm_ms, device_ms, host_ms in run(rows, dim, topology, args.repeats, args.threads):
-                total = device_ms + host_ms
+            for step, fbgemm_ms, device_ms, host_ms, device_ratio, total_ratio in run(
+                rows, dim, topology, args.repeats, args.threads
+            ):
                 print(
                     f"{rows:>9} {dim:>4}  {step:<26}{fbgemm_ms:>8.2f}{device_ms:>9.2f}{host_ms:>11.2f}"
-                    f"{total:>10.2f}{device_ms / fbgemm_ms:>10.2f}x{total / fbgemm_ms:>9.2f}x"
+                    f"{device_ms + host_ms:>10.2f}{device_ratio:>10.2f}x{total_ratio:>9.2f}x"
                 )
             print(f"{'':>15}load average {_load()}", flush=True)
 

@@ -187,7 +187,7 @@ class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
         """TorchRec's DDP wrapping of data-parallel lookups, without `static_graph`: DDP's static
         graph mode needs a pinned-memory allocator that the tpu device does not register yet."""
         for i, (sharding, lookup) in enumerate(zip(self._sharding_type_to_sharding.values(), self._lookups)):
-            if isinstance(sharding, DpSequenceEmbeddingSharding) and not isinstance(lookup, DistributedDataParallel):
+            if isinstance(sharding, DpSequenceEmbeddingSharding):
                 self._lookups[i] = DistributedDataParallel(
                     module=lookup, device_ids=None, process_group=self._env.process_group,
                     gradient_as_bucket_view=True, broadcast_buffers=True,
@@ -201,16 +201,13 @@ class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
         return super().input_dist(ctx, features)
 
     def _check_lengths(self, features: KeyedJaggedTensor) -> None:
-        keys = [key for key in features.keys() if key in self._longest]
-        if not keys:
+        if not any(key in self._longest for key in features.keys()):
             return
-        per_key = torch.split(features.lengths().detach(), features.stride_per_key())
-        index = {key: i for i, key in enumerate(features.keys())}
-        longest = torch.stack([
-            per_key[index[key]].max() if per_key[index[key]].numel() else per_key[index[key]].new_zeros(())
-            for key in keys
-        ]).cpu().tolist()
-        for key, observed in zip(keys, longest):
+        per_key = torch.split(features.lengths().detach().cpu(), features.stride_per_key())
+        for key, lengths in zip(features.keys(), per_key):
+            if key not in self._longest or not lengths.numel():
+                continue
+            observed = int(lengths.max())
             configured, table = self._longest[key]
             if observed > configured:
                 raise ValueError(

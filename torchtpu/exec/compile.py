@@ -7,7 +7,8 @@ storages -- the graph's nodes call the same registry lowerings as the eager exec
 mode records it as one node of the pending graph, so compiled regions fuse with the eager code
 around them. Graph breaks and the optimizer step outside the graph simply run eagerly.
 Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
-tensors, not copies; an input the graph `copy_`s into (state a backward writes) is written in place.
+tensors, not copies; an input the graph `copy_`s into (state a backward writes, the parameters a
+compiled optimizer step updates) is written in place.
 
 A graph containing an op without a lowering is run eagerly instead (its ops dispatch one by one
 to the tpu kernels), counted in `torchtpu.metrics()["compiled_graphs_run_eagerly"]` and warned.
@@ -103,6 +104,7 @@ class CompiledGraph:
         self.name = f"{kind}_graph_{next(_graph_ids)}"
         self.random = fx_graph.needs_rng(gm)
         self.aliases = fx_graph.aliased_outputs(gm)
+        self.host_written = fx_graph.host_written_inputs(gm)
         self.missing = fx_graph.unsupported_ops(gm)
         nodes = list(gm.graph.nodes)
         self.input_metas = [node.meta.get("val") for node in nodes if node.op == "placeholder"]
@@ -130,12 +132,21 @@ class CompiledGraph:
         from torchtpu.exec.kernels import submit
 
         if not self.symbolic:
-            return submit(self._call(args))
+            return self._write_host_inputs(args, submit(self._call(args)))
         buckets = bucketing.plan_call(self.input_metas, args)
-        outs = submit(GraphCall(self, buckets.args, buckets))
+        outs = self._write_host_inputs(args, submit(GraphCall(self, buckets.args, buckets)))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]
         return [buckets.unpad(out, meta) for out, meta in zip(outs, self.output_metas)]
+
+    def _write_host_inputs(self, args: Sequence[Any], outs: list) -> list:
+        """Copy the new values of the CPU inputs the graph writes (its last outputs) into them."""
+        if not self.host_written:
+            return outs
+        count = len(self.host_written)
+        for position, value in zip(self.host_written, outs[-count:]):
+            args[position].copy_(value)
+        return outs[:-count]
 
     def _call(self, args: Sequence[Any]) -> GraphCall:
         """The graph's call on `args`. As an op's Encoder does, each argument layout is encoded
@@ -214,6 +225,7 @@ class CompiledGraph:
 
         check_messages: list[str] = []
         written_inputs: list[int] = []
+        host_written = self.host_written
 
         def run(*flat_inputs):
             values, rng, buffers, padding = values_of(flat_inputs)
@@ -224,10 +236,11 @@ class CompiledGraph:
                 padding=padding,
             )
             check_messages[:] = [message for _, message in found]
-            written_inputs[:] = sorted(writes)
+            written_inputs[:] = [i for i in sorted(writes) if i not in host_written]
             written = tuple(
                 opcall.write_tensor(buffers[refs[i].storage], refs[i], writes[i]) for i in written_inputs
             )
+            outs = list(outs) + [writes[i] for i in host_written]
             return outs, tuple(flag for flag, _ in found), written
 
         # Output metadata from an abstract trace (shapes are concrete for this key).
@@ -308,5 +321,10 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwarg
         bw_compiler=_compiler("backward"),
         inference_compiler=_compiler("inference"),
         decompositions=decomps.for_compile(),
+        # In-place updates of graph inputs (a compiled `optimizer.step()` writing parameters
+        # and state, BatchNorm's running statistics) stay in the graph as `copy_` into the
+        # input, which the graph's program writes itself -- rather than one eager `copy_` per
+        # mutated input after the graph (AOTAutograd's default; inductor keeps them too).
+        keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs, **kwargs)

@@ -111,3 +111,24 @@ def test_dynamic_shapes_use_each_calls_sizes():
     for n in (4, 6, 8):
         x = torch.arange(n * 4.0).view(n, 4)
         torch.testing.assert_close(fold(x.to("tpu")).cpu(), x.view(n * 2, 2).sum(1))
+
+
+def test_compiled_optimizer_step_writes_parameters_in_its_program():
+    """A compiled `optimizer.step()` updates parameters and state inside its graph (no eager
+    `copy_` per tensor), and Adam's CPU step count, which the graph also writes, still counts."""
+    reference = _mlp()
+    model = copy.deepcopy(reference).to("tpu")
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (reference, model)]
+    step = torch.compile(optimizers[1].step, backend="tpu")
+    with torch.tpu.precision("highest"):
+        for _ in range(3):
+            x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+            for m, opt, run, device in zip((reference, model), optimizers, (optimizers[0].step, step), ("cpu", "tpu")):
+                opt.zero_grad()
+                F.cross_entropy(m(x.to(device)), y.to(device)).backward()
+                run()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name].cpu(), value, rtol=1e-4, atol=1e-5)
+    state = optimizers[1].state[next(model.parameters())]
+    assert state["step"].device.type == "cpu" and state["step"].item() == 3
+    assert "aten.copy_.default" not in torchtpu.metrics().get("eager_programs_by_op", {})

@@ -50,7 +50,7 @@ def _build(target: Path) -> None:
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     command = [
         compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        f"-I{torch_dir / 'include'}", str(_SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
+        f"-I{torch_dir / 'include'}", str(_SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
         f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(partial),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -99,6 +99,7 @@ def set_device_count(count: int) -> None:
     """Publish the runtime's device count (called once the runtime has started)."""
     if _library is not None:
         _library.torchtpu_set_device_count(count)
+        _library.torchtpu_set_runtime_started()
 
 
 def current_device() -> int:

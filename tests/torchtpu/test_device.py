@@ -132,6 +132,18 @@ def test_copy_both_ways_and_between_devices():
     assert not torch.equal(t.cpu(), x)
 
 
+def test_pinned_host_memory_for_staging():
+    """PyTorch asks the device for pinned host memory where it stages device data (DDP's reducer,
+    `non_blocking` copies to the host, DCP's copy-ahead); such tensors report `is_pinned()`."""
+    staged = torch.empty(6, pin_memory=True)
+    assert staged.is_pinned() and not torch.empty(6).is_pinned()
+    assert torch.arange(4.0).pin_memory().is_pinned()
+    x = torch.randn(5, 3)
+    moved = x.to("tpu").to("cpu", non_blocking=True)
+    torch.tpu.synchronize()
+    assert torch.equal(moved, x)
+
+
 def test_module_to_moves_parameters_in_place():
     """As with CUDA, `Module.to` keeps each Parameter object: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters."""

@@ -106,10 +106,11 @@ class StackedState(nn.Module):
                 self.register_buffer(f"slot_{i}_{slot.name}", value, persistent=False)
             step = jax.device_put(jnp.zeros(devices, jnp.float32), self._sharded)
             self.register_buffer(f"step_{i}", sharding.from_jax(step), persistent=False)
-        for name, value in optimizer.hyperparameters().items():
+        values = {CLIP: math.inf, **optimizer.hyperparameters()}
+        for name, value in values.items():
             self.register_buffer(f"hyper_{name}", torch.tensor(value, dtype=torch.float32), persistent=False)
-        if CLIP not in optimizer.hyperparameters():
-            self.register_buffer(f"hyper_{CLIP}", torch.tensor(math.inf), persistent=False)
+        # What the hyper-parameter tensors hold, known without reading them back from the device.
+        self._hyperparameter_values = {name: float(getattr(self, f"hyper_{name}")) for name in values}
         self._slots_of = {name: tuple(s.name for s in engine.stacks[name].optimizer.slots()) for name in self._index}
         self._table_stack = {t: engine.stacks[s] for s in self._index for t in engine.stacks[s].table_names}
         for table, init in host_initializers.items():
@@ -149,13 +150,22 @@ class StackedState(nn.Module):
         return tuple(getattr(self, f"hyper_{name}") for name in names)
 
     def set_hyperparameter(self, name: str, value: float) -> None:
+        """Set a hyper-parameter of the fused update. The tensor is written only when the value
+        changes: the lookups of a forward save it for their backward, and fused optimizers set
+        the learning rate on every `step` and `zero_grad` -- also between a forward and its
+        backward, where an in-place write of the same value would fail the backward."""
         tensor = getattr(self, f"hyper_{name}", None)
         if tensor is None:
             raise ValueError(f"the optimizer has no hyper-parameter {name!r}")
-        tensor.fill_(float(value))
+        value = float(torch.tensor(value, dtype=torch.float32))  # the value the update reads
+        if self._hyperparameter_values.get(name) != value:
+            tensor.fill_(value)
+            self._hyperparameter_values[name] = value
 
     def hyperparameter(self, name: str) -> float:
-        return float(getattr(self, f"hyper_{name}"))
+        if not hasattr(self, f"hyper_{name}"):
+            raise ValueError(f"the optimizer has no hyper-parameter {name!r}")
+        return self._hyperparameter_values[name]
 
     # -- per-table views ------------------------------------------------------------------------
 

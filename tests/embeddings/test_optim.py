@@ -104,3 +104,27 @@ def test_lr_scheduler_changes_the_rate_without_recompiling():
     ebc.set_learning_rate(0.125)
     assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.125
     assert ebc.stacked_state.hyperparameter("learning_rate") == 0.125
+
+
+def test_optimizer_calls_between_forward_and_backward():
+    """`zero_grad` / `step` of the fused optimizer between a forward and its backward (a common
+    loop order) set the learning rate again: the backward still runs, the same as FBGEMM's; a
+    new rate set there takes effect from the next forward."""
+    tables = bag_tables()
+    ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=OPTIMIZERS["adagrad"])
+    reference = FbgemmTraining(tables, _weights(ebc), "adagrad")
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        kjt = random_kjt(rng, kjt_keys(tables), BATCH)
+        grad = torch.from_numpy(rng.standard_normal((BATCH, 48)).astype(np.float32))
+        loss = (ebc(kjt).values() * grad.to("tpu")).sum()
+        ebc.fused_optimizer.zero_grad()
+        ebc.fused_optimizer.step()
+        loss.backward()
+        reference.step(kjt, grad)
+        ebc.set_learning_rate(LEARNING_RATE / 2 ** (step + 1))
+        reference.tbe.set_learning_rate(LEARNING_RATE / 2 ** (step + 1))
+    trained, expected = _weights(ebc), reference.tables()
+    for name in expected:
+        torch.testing.assert_close(trained[name], expected[name], rtol=0, atol=1e-5)
+    assert ebc.stacked_state.hyperparameter("learning_rate") == float(np.float32(LEARNING_RATE / 8))

@@ -374,13 +374,24 @@ def _build_stack(
         )
         row_offset += feature.num_rows
     alignment = topology.embedding_dim_alignment
+    width = max(padded_embedding_dim(s.embedding_dim, alignment) for s in specs)
+    narrow = [s.name for s in specs if s.embedding_dim != width]
+    optimizer = specs[0].optimizer
+    if narrow and any(slot.per_row for slot in optimizer.slots()):
+        raise ValueError(
+            f"stack {name!r}: table(s) {narrow} have fewer columns than the stack's {width} (dims are "
+            f"padded to a multiple of {alignment}), and {type(optimizer).__name__}'s row-wise slot "
+            "would average a row's squared gradient over the padded width, not the table's; give "
+            f"them a dim that is a multiple of {alignment} (and stack only tables of one dim), or "
+            "use an optimizer without row-wise slots"
+        )
     buffer = group.suggested_coo_buffer_size_per_device
     if buffer is None and all(s.suggested_coo_buffer_size_per_device for s in specs):
         buffer = sum(s.suggested_coo_buffer_size_per_device for s in specs)
     return StackedTable(
         name=name,
         num_sparsecores=n,
-        embedding_dim=max(padded_embedding_dim(s.embedding_dim, alignment) for s in specs),
+        embedding_dim=width,
         tables=tuple(placements),
         features=tuple(feature_placements),
         max_ids_per_partition=(

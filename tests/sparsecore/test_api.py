@@ -21,10 +21,13 @@ TOPOLOGY = Topology.cpu(2, 2)
 
 
 def build(optimizer=None, initializer=None):
+    """Tables a (dim 8) and b stacked; b has dim 6 (padded to 8) unless the optimizer keeps a
+    row-wise slot, which needs unpadded rows (then 8)."""
     optimizer = optimizer or opt.SGD(learning_rate=0.1)
+    b_dim = 8 if any(slot.per_row for slot in optimizer.slots()) else 6
     tables = [
         TableSpec("a", 40, 8, optimizer=optimizer, initializer=initializer),
-        TableSpec("b", 24, 6, optimizer=optimizer, initializer=initializer),
+        TableSpec("b", 24, b_dim, optimizer=optimizer, initializer=initializer),
     ]
     features = [FeatureSpec("fa", tables[0], 8), FeatureSpec("fb", tables[1], 8)]
     stacks = stack_tables(features, TOPOLOGY, [StackGroup(("a", "b"), name="ab")])
@@ -101,7 +104,7 @@ def test_init_applies_each_initializer_sharded_with_zero_padding():
 def test_place_tables_and_slots_round_trip():
     engine, _ = build(opt.RowWiseAdagrad())
     rng = np.random.default_rng(1)
-    values = {"a": rng.normal(size=(40, 8)).astype(np.float32), "b": rng.normal(size=(24, 6)).astype(np.float32)}
+    values = {"a": rng.normal(size=(40, 8)).astype(np.float32), "b": rng.normal(size=(24, 8)).astype(np.float32)}
     slot_values = {"a": {"accumulator": rng.random((40, 1)).astype(np.float32)}, "b": {"accumulator": rng.random((24, 1)).astype(np.float32)}}
     got = engine.unstack_tables(engine.place_tables(values))
     got_slots = engine.unstack_slots(engine.place_slots(slot_values, step=4))

@@ -24,7 +24,7 @@ from sparsecore.layout import (
     unshard_and_unstack,
     unshard_table,
 )
-from sparsecore.optimizers import SGD, Adagrad
+from sparsecore.optimizers import SGD, Adagrad, RowWiseAdagrad
 from sparsecore.spec import FeatureSpec, TableSpec
 from sparsecore.topology import Topology
 
@@ -116,6 +116,19 @@ def test_stack_and_shard_checks_values():
         stack_and_shard(stack, {"a": np.zeros((30, 2)), "b": np.zeros((20, 2))}, per_row=True)
     with pytest.raises(ValueError, match="expected \\[4, 16, ...\\] or \\[64, ...\\]"):
         unshard_and_unstack(stack, np.zeros((4, 15, 8)))
+
+
+def test_a_row_wise_optimizer_needs_unpadded_rows():
+    """SparseCore pads a table's rows to the stack's width; a row-wise slot would average a
+    row's squared gradient over the padding (FBGEMM averages over the table's own dim)."""
+    topology = Topology.cpu(1, 4)
+    for dims, groups in (((4,), ()), ((8, 16), [StackGroup(("a", "b"))])):
+        specs = [TableSpec(name, 32, dim, optimizer=RowWiseAdagrad()) for name, dim in zip("ab", dims)]
+        features = [FeatureSpec(f"f{s.name}", s, 4) for s in specs]
+        with pytest.raises(ValueError, match=r"table\(s\) \['a'\] have fewer columns .*row-wise slot"):
+            stack_tables(features, topology, groups)
+    specs = [TableSpec(name, 32, dim, optimizer=Adagrad()) for name, dim in zip("ab", (4, 16))]
+    stack_tables([FeatureSpec(f"f{s.name}", s, 4) for s in specs], topology, [StackGroup(("a", "b"))])
 
 
 def test_stacking_offsets_rotation_and_feature_placement():

@@ -154,9 +154,9 @@ def save(state: dict[str, Any], path: str | os.PathLike, process_group: dist.Pro
     version = path.parent / f".{path.name}.{token}"
     dcp.save(
         state,
-        # No copy-ahead: it moves device tensors to the host with `non_blocking` copies, which ask
-        # the device for a pinned-memory allocator (torchtpu registers none). Each tensor is
-        # copied as it is written (`RowBlocks` are host tensors already).
+        # No copy-ahead: it overlaps device-to-host copies with writing on a second stream, and a
+        # tpu device has one in-order queue (`torch.tpu.Stream`). Each tensor is copied as it is
+        # written (`RowBlocks` are host tensors already).
         storage_writer=dcp.FileSystemWriter(version, per_thread_copy_ahead=0),
         process_group=process_group,
         no_dist=not dist.is_initialized(),

@@ -33,8 +33,9 @@ FBGEMM's names: `torchrec_plugin.fused_optimizer`), saved and loaded with
     dcp.load(state, checkpoint_id=path, process_group=torchrec_plugin.host_group())
     dmp.load_state_dict(state["model"]); dmp.fused_optimizer.load_state_dict(state["optim"])
 
-DCP coordinates over a gloo group (`host_group`: `tpu_dist` serves no `gather`), and without
-copy-ahead (its `non_blocking` host copies need a pinned-memory allocator the device lacks).
+DCP coordinates over a gloo group (`host_group`: `tpu_dist` serves no `gather`), without
+copy-ahead: it overlaps device-to-host copies with writing on a second stream, and a tpu device
+has one in-order queue (`torch.tpu.Stream`).
 
 Sharding types and what runs in each shard (`torchrec_plugin.sharders`):
 

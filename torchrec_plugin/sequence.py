@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding import EmbeddingCollectionSharder as _TorchRecECSharder
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -182,16 +181,6 @@ class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
             return strategy(sharding_infos=sharding_infos, env=env, device=device)
         return strategy(sharding_infos=sharding_infos, env=env, device=device,
                         qcomm_codecs_registry=qcomm_codecs_registry)
-
-    def init_data_parallel(self) -> None:
-        """TorchRec's DDP wrapping of data-parallel lookups, without `static_graph`: DDP's static
-        graph mode needs a pinned-memory allocator that the tpu device does not register yet."""
-        for i, (sharding, lookup) in enumerate(zip(self._sharding_type_to_sharding.values(), self._lookups)):
-            if isinstance(sharding, DpSequenceEmbeddingSharding):
-                self._lookups[i] = DistributedDataParallel(
-                    module=lookup, device_ids=None, process_group=self._env.process_group,
-                    gradient_as_bucket_view=True, broadcast_buffers=True,
-                )
 
     def input_dist(self, ctx, features: KeyedJaggedTensor):
         """TorchRec's input distribution, after checking every sample against the `max_seq_len`

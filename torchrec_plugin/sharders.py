@@ -18,12 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _TorchRecEBCSharder
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -79,16 +77,6 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return strategy(sharding_infos, env, device, permute_embeddings=permute_embeddings,
                             qcomm_codecs_registry=qcomm_codecs_registry)
         return strategy(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-
-    def init_data_parallel(self) -> None:
-        """TorchRec's DDP wrapping of data-parallel lookups, without `static_graph`: DDP's static
-        graph mode needs a pinned-memory allocator that the tpu device does not register yet."""
-        for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups)):
-            if isinstance(sharding, DpPooledEmbeddingSharding):
-                self._lookups[i] = DistributedDataParallel(
-                    module=lookup, device_ids=None, process_group=self._env.process_group,
-                    gradient_as_bucket_view=True, broadcast_buffers=True,
-                )
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

@@ -7,12 +7,12 @@ the default group and shards the model with `DistributedModelParallel` and the p
 each table's shards are looked up and updated on the SparseCores of their process's device. The
 dense layers move to `tpu` and train with `torch.optim.Adagrad`.
 
-Two choices follow from what the tpu device offers today:
+Two choices of this job:
 
 * tables are planned table-, row- or column-wise, not data-parallel, and DMP does not wrap the
-  dense layers in DDP (`init_data_parallel=False`): DDP's backward asks the device for a
-  pinned-memory allocator that torchtpu does not register. The training loop all-reduces the
-  dense gradients itself (one flat collective per step), as DDP would.
+  dense layers in DDP (`init_data_parallel=False`): the training loop all-reduces the dense
+  gradients itself in one flat collective per step, as DDP would in its buckets. (DMP's default
+  DDP wrap also works on tpu: `tests/torchrec_plugin/test_models.py` trains that way.)
 * a batch's KJT goes to `tpu` as it is; the sharded collection's input distribution and the
   SparseCore preprocessing run inside its forward.
 

@@ -57,9 +57,8 @@ CPU, TPU = torch.device("cpu"), torch.device("tpu", 0)
 
 def tables() -> list[EmbeddingBagConfig]:
     """Four tables; t2, which the mixed plan splits by columns, into shards of 8 columns.
-    Narrower shards would be padded to 8 columns on SparseCore, and sparsecore's row-wise
-    Adagrad averages a row's squared gradient over the padded width (FBGEMM over the real one):
-    a known sparsecore bug these tests do not cover."""
+    Narrower shards are padded to 8 columns on SparseCore, where a row-wise optimizer is refused
+    (its slot would average over the padding; `sparsecore.layout`)."""
     sizes, dims = (64, 200, 96, 128), (8, 16, 16, 16)
     return [
         EmbeddingBagConfig(name=f"t{i}", num_embeddings=v, embedding_dim=d, feature_names=[f"f{i}"],

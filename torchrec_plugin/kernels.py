@@ -32,11 +32,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embeddings import SparseCoreEmbeddingBagCollection, runtime_topology
+from embeddings import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection, runtime_topology
 from sparsecore import optimizers
 from torchrec_plugin.fused_optimizer import LocalTable, ShardOptimizer
 
-__all__ = ["DenseEmbeddingBag", "SparseCoreEmbeddingBag", "sparsecore_optimizer"]
+__all__ = ["DenseEmbeddingBag", "SparseCoreEmbeddingBag", "SparseCoreKernel", "sparsecore_optimizer"]
 
 _IGNORED_FUSED_PARAMS = frozenset(
     {"output_dtype", "stochastic_rounding", "bounds_check_mode", "enforce_hbm", "prefetch_pipeline",
@@ -130,43 +130,53 @@ class _ShardTables(nn.Module):
         """No cache to reset."""
 
 
-class SparseCoreEmbeddingBag(_ShardTables, BaseEmbedding, FusedOptimizerModule):
-    """The pooled lookup of a FUSED group on the SparseCores of this process's device, with the
-    fused optimizer of `config.fused_params` applied in the backward (see the module docstring)."""
+class SparseCoreKernel(_ShardTables, BaseEmbedding, FusedOptimizerModule):
+    """What the pooled and the unpooled SparseCore kernels share: an `embeddings` collection over
+    the group's local shards (one collection table per shard, its features renamed `<feature>#<i>`
+    so that shards of one table stay apart), the TorchRec-layout mirror kept in step with it
+    (`flush`, `push`), and the fused optimizer TorchRec sees (`torchrec_plugin.fused_optimizer`)."""
+
+    _STATE_PREFIX = ""
 
     def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
                  device: torch.device | None) -> None:
         super().__init__(config, pg, device, requires_grad=False)
-        tables = config.embedding_tables
         self._keys: list[str] = []
-        bag_configs = []
-        for index, table in enumerate(tables):
+        self._shard_keys: list[list[str]] = []
+        for table in config.embedding_tables:
             keys = [f"{feature}#{len(self._keys) + k}" for k, feature in enumerate(table.feature_names)]
             self._keys.extend(keys)
-            bag_configs.append(EmbeddingBagConfig(
-                name=f"{table.name}#{index}", num_embeddings=table.local_rows, embedding_dim=table.local_cols,
-                feature_names=keys, pooling=table.pooling,
-            ))
-        self._table_keys = [f"embedding_bags.{c.name}.weight" for c in bag_configs]
+            self._shard_keys.append(keys)
+
+    def _attach(self, collection: SparseCoreEmbeddingBagCollection | SparseCoreEmbeddingCollection,
+                shard_names: list[str], pg: dist.ProcessGroup | None) -> None:
+        """Adopt `collection`, whose table `shard_names[k]` holds local shard k."""
+        tables = self._config.embedding_tables
+        self._table_keys = [f"{self._STATE_PREFIX}{name}.weight" for name in shard_names]
         # Held outside the module tree: TorchRec collects (and re-keys) the fused optimizer of
         # every FusedOptimizerModule below a lookup, and the kernel's own presents the tables.
-        self.__dict__["_collection"] = SparseCoreEmbeddingBagCollection(
-            bag_configs,
-            batch_size=runtime_topology().num_sparsecores,
-            optimizer=sparsecore_optimizer(config.fused_params),
-            is_weighted=config.is_weighted,
-        )
+        self.__dict__["_collection"] = collection
         weights = dict(super().named_parameters_by_table())
-        self._optimizer = ShardOptimizer(self._collection, [
+        self._optimizer = ShardOptimizer(collection, [
             LocalTable(tables[i].name, weights[tables[i].name], tuple(
-                (tables[k], bag_configs[k].name) for k in range(i, j)
+                (tables[k], shard_names[k]) for k in range(i, j)
             ))
             for i, j in self.table_runs()
         ], pg)
 
-    @property
-    def collection(self) -> SparseCoreEmbeddingBagCollection:
-        return self._collection
+    def _renamed(self, features: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor:
+        """`features` under the collection's feature names, its batch size set on the collection."""
+        if features.variable_stride_per_key():
+            raise ValueError("SparseCore lookups need one batch size for every feature (no variable batch)")
+        stride = features.stride()
+        self._collection.set_batch_size(stride)
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=features.values(),
+            lengths=features.lengths(),
+            weights=features.weights_or_none() if weighted else None,
+            stride=stride,
+        )
 
     @property
     def fused_optimizer(self) -> ShardOptimizer:
@@ -178,20 +188,6 @@ class SparseCoreEmbeddingBag(_ShardTables, BaseEmbedding, FusedOptimizerModule):
         for name, weight in super().named_parameters_by_table():
             weight._in_backward_optimizers = [self._optimizer]
             yield name, weight
-
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        if features.variable_stride_per_key():
-            raise ValueError("SparseCore lookups need one batch size for every feature (no variable batch)")
-        stride = features.stride()
-        self._collection.set_batch_size(stride)
-        renamed = KeyedJaggedTensor(
-            keys=self._keys,
-            values=features.values(),
-            lengths=features.lengths(),
-            weights=features.weights_or_none() if self._config.is_weighted else None,
-            stride=stride,
-        )
-        return self._collection(renamed).values()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -214,6 +210,36 @@ class SparseCoreEmbeddingBag(_ShardTables, BaseEmbedding, FusedOptimizerModule):
         """Mirror -> tables."""
         values = {key: weight.detach().cpu() for key, weight in zip(self._table_keys, self.shard_weights())}
         self._collection.load_state_dict(values)
+
+
+class SparseCoreEmbeddingBag(SparseCoreKernel):
+    """The pooled lookup of a FUSED group on the SparseCores of this process's device, with the
+    fused optimizer of `config.fused_params` applied in the backward (see the module docstring)."""
+
+    _STATE_PREFIX = "embedding_bags."
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                 device: torch.device | None) -> None:
+        super().__init__(config, pg, device)
+        bag_configs = [
+            EmbeddingBagConfig(name=f"{table.name}#{index}", num_embeddings=table.local_rows,
+                               embedding_dim=table.local_cols, feature_names=keys, pooling=table.pooling)
+            for index, (table, keys) in enumerate(zip(config.embedding_tables, self._shard_keys))
+        ]
+        collection = SparseCoreEmbeddingBagCollection(
+            bag_configs,
+            batch_size=runtime_topology().num_sparsecores,
+            optimizer=sparsecore_optimizer(config.fused_params),
+            is_weighted=config.is_weighted,
+        )
+        self._attach(collection, [c.name for c in bag_configs], pg)
+
+    @property
+    def collection(self) -> SparseCoreEmbeddingBagCollection:
+        return self._collection
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self._collection(self._renamed(features, self._config.is_weighted)).values()
 
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.embedding import EmbeddingCollectionSharder as _TorchRecECSharder
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -42,8 +41,8 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_plugin.groups import host_group
 from torchrec_plugin.planning import index_placements
+from torchrec_plugin.sharders import SparseCoreTablesMixin
 from torchrec_plugin.sequence_kernels import DenseEmbedding, SparseCoreEmbedding
 from torchrec_plugin.sequence_lengths import MAX_SEQ_LEN, sequence_lengths
 
@@ -123,12 +122,14 @@ SEQUENCE_SHARDINGS: dict[str, type] = {
 """The sequence strategy class of each sharding type available to EmbeddingCollections on tpu."""
 
 
-class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
+class ShardedSparseCoreEmbeddingCollection(SparseCoreTablesMixin, ShardedEmbeddingCollection):
     """TorchRec's sharded EC with SparseCore lookups: every FUSED table's `max_seq_len` goes to
     its kernel in its `fused_params`, every batch is checked against it, and after every
     initialisation and load the kernels' mirrors are written into the SparseCore tables. Its state
     dict's ShardedTensors live on the gloo group beside the sharding group, as the pooled
     collection's do (`torchrec_plugin.groups`)."""
+
+    _SPARSECORE_LOOKUP = SparseCoreSequenceLookup
 
     def __init__(self, module: EmbeddingCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
                  env: ShardingEnv, fused_params: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -143,14 +144,7 @@ class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
             for feature in config.feature_names if config.name in lengths else ():
                 if feature not in self._longest or lengths[config.name] < self._longest[feature][0]:
                     self._longest[feature] = (lengths[config.name], config.name)
-        group = host_group(self._env.process_group)
-        tensors = self._model_parallel_name_to_sharded_tensor
-        for name, tensor in tensors.items():
-            tensors[name] = ShardedTensor._init_from_local_shards_and_global_metadata(
-                tensor.local_shards(), tensor.metadata(), process_group=group
-            )
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module.push())
-        self.push()
+        self._adopt_sparsecore_tables()
 
     @classmethod
     def create_grouped_sharding_infos(cls, module: EmbeddingCollection,
@@ -205,16 +199,6 @@ class ShardedSparseCoreEmbeddingCollection(ShardedEmbeddingCollection):
                     "of the EmbeddingCollectionSharder, or shorten the sequences)"
                 )
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self.push()
-
-    def push(self) -> None:
-        """Mirrors -> SparseCore tables, for every lookup."""
-        for lookup in self._lookups:
-            lookup = getattr(lookup, "module", lookup)
-            if isinstance(lookup, SparseCoreSequenceLookup):
-                lookup.push()
 
 
 class EmbeddingCollectionSharder(_TorchRecECSharder):

@@ -47,14 +47,16 @@ def _compute_kernels(sharding_type: str) -> list[str]:
     return [EmbeddingComputeKernel.FUSED.value]
 
 
-class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """TorchRec's sharded EBC with SparseCore lookups; after every initialisation and load the
-    kernels' mirrors are written into the SparseCore tables. The ShardedTensors of its state dict
-    live on the gloo group beside the sharding group (`torchrec_plugin.groups`), so that DCP can
-    load into a table that has no shard on this rank."""
+class SparseCoreTablesMixin:
+    """What the sharded collections with SparseCore lookups share (listed before TorchRec's
+    sharded module class): their state dict's ShardedTensors live on the gloo group beside the
+    sharding group (`torchrec_plugin.groups`), so that DCP can load into a table with no shard on
+    this rank; after every initialisation and load the kernels' mirrors are written into the
+    SparseCore tables (`push`). `_SPARSECORE_LOOKUP`: the lookup class whose kernels hold them."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    _SPARSECORE_LOOKUP: type
+
+    def _adopt_sparsecore_tables(self) -> None:
         group = host_group(self._env.process_group)
         tensors = self._model_parallel_name_to_sharded_tensor
         for name, tensor in tensors.items():
@@ -63,6 +65,30 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.push())
         self.push()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.push()
+
+    def push(self) -> None:
+        """Mirrors -> SparseCore tables, for every lookup."""
+        for lookup in self._lookups:
+            lookup = getattr(lookup, "module", lookup)
+            if isinstance(lookup, self._SPARSECORE_LOOKUP):
+                lookup.push()
+
+
+class ShardedSparseCoreEmbeddingBagCollection(SparseCoreTablesMixin, ShardedEmbeddingBagCollection):
+    """TorchRec's sharded EBC with SparseCore lookups; after every initialisation and load the
+    kernels' mirrors are written into the SparseCore tables. The ShardedTensors of its state dict
+    live on the gloo group beside the sharding group (`torchrec_plugin.groups`), so that DCP can
+    load into a table that has no shard on this rank."""
+
+    _SPARSECORE_LOOKUP = SparseCorePooledLookup
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._adopt_sparsecore_tables()
 
     @classmethod
     def create_embedding_bag_sharding(cls, sharding_infos, env: ShardingEnv, device: torch.device | None = None,
@@ -78,16 +104,6 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                             qcomm_codecs_registry=qcomm_codecs_registry)
         return strategy(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self.push()
-
-    def push(self) -> None:
-        """Mirrors -> SparseCore tables, for every lookup."""
-        for lookup in self._lookups:
-            lookup = getattr(lookup, "module", lookup)
-            if isinstance(lookup, SparseCorePooledLookup):
-                lookup.push()
 
 
 class EmbeddingBagCollectionSharder(_TorchRecEBCSharder):

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.remote_device import _remote_device
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder as TorchRecECSharder
@@ -38,6 +37,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import torchrec_plugin
+from _dmp_workers import _local  # a ShardedTensor's local shards keyed with their layout
 
 STEPS = 5
 LOCAL_WORLD_SIZE = 2
@@ -160,16 +160,6 @@ def _state(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
             for name, value in entries.items():
                 out.update(_local(f"{key}/{name}", value))
     return out
-
-
-def _local(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    if not isinstance(value, ShardedTensor):
-        return {key: value.detach().cpu()}
-    return {
-        f"{key}{list(value.size())}@{shard.metadata.shard_offsets}+{shard.metadata.shard_sizes}":
-            shard.tensor.detach().cpu()
-        for shard in value.local_shards()
-    }
 
 
 def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -1,8 +1,9 @@
 """TorchRec's `EmbeddingShardingPlanner` for TPU topologies.
 
-The stock enumerator, proposers, partitioner and perf model search the plans; the TPU parts are
-the estimators (`torchrec_plugin.estimators`), a storage reservation for what is not sharded,
-shard placements on `tpu:<local rank>`, and a plain answer when a table cannot fit: the planner
+The stock proposers, partitioner and perf model search the plans; the TPU parts are the
+estimators (`torchrec_plugin.estimators`), the enumerator's column-wise shard widths
+(`torchrec_plugin.enumerator`), a storage reservation for what is not sharded, shard placements
+on `tpu:<local rank>`, and a plain answer when a table cannot fit: the planner
 names the table, the HBM its cheapest sharding needs on one device, what a device has, and the
 difference.
 """
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.stats import NoopEmbeddingStats
 from torchrec.distributed.planner.storage_reservations import _get_batch_inputs_and_shardable_parameters
@@ -28,6 +28,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingPlan
 
+from torchrec_plugin.enumerator import TpuEmbeddingEnumerator
 from torchrec_plugin.estimators import TpuPerfEstimator, TpuStorageEstimator
 from torchrec_plugin.hardware import TpuTopology
 
@@ -83,8 +84,8 @@ class TpuShardingPlanner(EmbeddingShardingPlanner):
                  constraints: dict[str, ParameterConstraints] | None = None,
                  storage_reservation: StorageReservation | None = None, **kwargs: Any) -> None:
         estimators = [TpuPerfEstimator(topology, constraints), TpuStorageEstimator(topology, constraints)]
-        enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
-                                         estimator=estimators)
+        enumerator = TpuEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
+                                            estimator=estimators)
         kwargs.setdefault("stats", NoopEmbeddingStats())
         kwargs.setdefault("debug", False)
         super().__init__(

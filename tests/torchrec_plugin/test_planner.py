@@ -1,12 +1,13 @@
 """The TPU planner on a 26-table MLPerf-like DLRM (Criteo 1TB vocabularies, dim 128, row-wise
 Adagrad): plans for v5p x8 and v6e x8 fit each device's HBM, differ where the chips differ, and a
-table larger than a device's HBM gets an error naming it."""
+table larger than a device's HBM gets an error naming it. Column-wise shards are never narrower
+than, nor a fraction of, the chip's padded width, whatever `min_partition` allows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -101,6 +102,27 @@ def test_a_table_larger_than_hbm_is_named_with_the_overflow():
     planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH)
     with pytest.raises(PlannerError, match=r"table '.*t1' does not fit: .* GiB too much"):
         planner.plan(model, torchrec_plugin.sharders())
+
+
+@pytest.mark.parametrize("chip, dim, min_partition, width", [
+    ("v5p", 16, 4, 8),    # TorchRec: four shards of 4 columns
+    ("v6e", 48, 8, 16),   # TorchRec: six shards of 8 columns
+    ("v5p", 40, 16, 40),  # TorchRec: two shards of 20 (padded to 24); no multiple of 8 from 16 divides 40
+    ("v6e", 256, None, 128),
+])
+def test_column_wise_shards_are_multiples_of_the_padded_width(chip, dim, min_partition, width):
+    """SparseCore pads a shard's columns to the chip's alignment and refuses a row-wise optimizer
+    on a narrower shard; TorchRec's planner cuts column-wise tables into multiples of 4 columns."""
+    constraints = {"t0": ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value],
+                                              min_partition=min_partition)}
+    topology = torchrec_plugin.topology(chip, world_size=2)
+    planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH, constraints=constraints)
+    plan = planner.plan(mlperf_like((1000,), dim=dim), torchrec_plugin.sharders())
+    shards = plan.plan[""]["t0"].sharding_spec.shards
+    assert [shard.shard_sizes for shard in shards] == [[1000, width]] * (dim // width)
+    assert [shard.shard_offsets for shard in shards] == [[0, k * width] for k in range(dim // width)]
+    assert all(option.shards[0].storage.hbm == shard_cost(option, option.shards[0].size, topology).hbm
+               for option in planner._best_plan)
 
 
 def test_topology_presets():

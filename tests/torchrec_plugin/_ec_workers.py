@@ -1,6 +1,8 @@
 """What the spawned processes of the sequence-embedding DMP test run: a TorchRec
-`EmbeddingCollection` sharded by `DistributedModelParallel` on `tpu` with the plugin's sharders,
-against TorchRec on CPU over gloo with the same plan, initial weights and batches.
+`EmbeddingCollection` sharded by `DistributedModelParallel` on `tpu` with the plugin's sharders
+and driven by `TrainPipelineSparseDist`, against TorchRec on CPU over gloo with the same plan,
+initial weights and batches; then a distributed checkpoint of the tpu model. The DMP workers'
+helpers (`_dmp_workers`: start-up, checkpoints, state comparison) serve here too.
 
 The reference is TorchRec's own: its DMP with its own `EmbeddingCollectionSharder` and FBGEMM's
 CPU kernels for the table-wise, row-wise and column-wise tables, and for the data-parallel table
@@ -12,7 +14,6 @@ pools.)"""
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.remote_device import _remote_device
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder as TorchRecECSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
@@ -29,19 +31,31 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import torchrec_plugin
-from _dmp_workers import _local  # a ShardedTensor's local shards keyed with their layout
+from _dmp_workers import (
+    LEARNING_RATE,
+    LOCAL_WORLD_SIZE,
+    _assert_same,
+    _assert_states,
+    _load,
+    _local,
+    _save,
+    _start,
+)
 
 STEPS = 5
-LOCAL_WORLD_SIZE = 2
-LEARNING_RATE = 0.05
+RESUMED_STEPS = 1
+"""Steps of a restored model and of the model it was saved from (the restored optimizer state
+takes part in the first)."""
 DIM = 16
 """Every table's width (an EmbeddingCollection's tables share one); the column-wise table is
 split into shards of 8 columns."""
@@ -85,12 +99,47 @@ def _plans(world: int) -> tuple[dict, dict]:
     return tpu, cpu
 
 
-def _tpu_model(plan: dict, initial: dict[str, torch.Tensor]) -> DistributedModelParallel:
+class _SequenceModel(nn.Module):
+    """What TorchRec's train pipelines drive, `forward(batch) -> (loss, output)`: `_loss` of the
+    collection's sequences; the output is the loss and the sequences."""
+
+    def __init__(self, ec: EmbeddingCollection, head: torch.Tensor) -> None:
+        super().__init__()
+        self.ec = ec
+        self.register_buffer("head", head, persistent=False)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, dict[str, JaggedTensor]]]:
+        sequences = self.ec(batch.sparse_features)
+        sequences = {key: sequences[key] for key in _features()}  # a sharded EC's output is awaited lazily
+        loss = _loss(sequences, self.head)
+        return loss, (loss.detach(), sequences)
+
+
+def _loss(sequences: dict[str, JaggedTensor], head: torch.Tensor) -> torch.Tensor:
+    """Each id's embedding dotted with `head` is its logit (a product and a sum: a tpu matmul is
+    one bf16 pass by default); the loss sums the logits' softplus. Features are read by name:
+    TorchRec's train pipeline traces this with torch.fx."""
+    return sum(nn.functional.softplus((sequences[key].values() * head).sum(1)).sum() for key in _features())
+
+
+def _features() -> list[str]:
+    return [t.feature_names[0] for t in tables()]
+
+
+def _initial(seed: int) -> dict[str, torch.Tensor]:
+    """Tables initialised from `seed`, as TorchRec's EmbeddingCollection does."""
+    torch.manual_seed(seed)
+    return EmbeddingCollection(tables(), device=CPU).state_dict()
+
+
+def _tpu_model(plan: dict, initial: dict[str, torch.Tensor], head: torch.Tensor) -> DistributedModelParallel:
+    """`_SequenceModel` with the collection sharded by `plan` onto tpu, its tables from `initial`."""
     model = DistributedModelParallel(
-        _collection(tables(), fused=True), device=TPU, env=ShardingEnv.from_process_group(dist.group.WORLD),
-        plan=ShardingPlan({"": plan}), sharders=torchrec_plugin.sharders(max_seq_len=MAX_SEQ_LEN),
+        _SequenceModel(_collection(tables(), fused=True), head.to(TPU)), device=TPU,
+        env=ShardingEnv.from_process_group(dist.group.WORLD), plan=ShardingPlan({"ec": plan}),
+        sharders=torchrec_plugin.sharders(max_seq_len=MAX_SEQ_LEN),
     )
-    model.load_state_dict(initial)
+    model.load_state_dict({f"ec.{key}": value for key, value in initial.items()})
     return model
 
 
@@ -120,7 +169,7 @@ def random_batches(rng: np.random.Generator, world: int, batch: int, count: int)
 def local_kjt(lengths: np.ndarray, values: list[np.ndarray], rank: int, batch: int,
               keys: list[str] | None = None) -> KeyedJaggedTensor:
     """This rank's samples of the features `keys` (default: all)."""
-    names = [t.feature_names[0] for t in tables()]
+    names = _features()
     keys = names if keys is None else keys
     rows = slice(rank * batch, (rank + 1) * batch)
     local_values, local_lengths = [], []
@@ -136,8 +185,9 @@ def local_kjt(lengths: np.ndarray, values: list[np.ndarray], rank: int, batch: i
     )
 
 
-def _loss(sequences: dict[str, JaggedTensor], heads: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum((sequences[key].values() * heads[key].to(sequences[key].values().device)).sum() for key in heads)
+def _batch(kjt: KeyedJaggedTensor, batch: int) -> Batch:
+    """`kjt` as the sparse features of a train-pipeline batch (no dense features, no labels)."""
+    return Batch(dense_features=torch.zeros(batch, 1), sparse_features=kjt, labels=torch.zeros(batch))
 
 
 def _dense_sgd(parameters) -> None:
@@ -149,71 +199,111 @@ def _dense_sgd(parameters) -> None:
                 p.grad = None
 
 
+def _reference_step(sharded: DistributedModelParallel, replicated: DistributedDataParallel, lengths: np.ndarray,
+                    values: list[np.ndarray], rank: int, batch: int,
+                    head: torch.Tensor) -> tuple[torch.Tensor, dict[str, JaggedTensor]]:
+    """A step of TorchRec's CPU model: forward of the sharded and the replicated tables, the
+    loss's backward (fused updates), SGD on the replicated table. Returns the loss and sequences."""
+    names = _features()
+    sequences = sharded(local_kjt(lengths, values, rank, batch, names[:3])).wait()
+    sequences.update(replicated(local_kjt(lengths, values, rank, batch, names[3:])))
+    loss = _loss(sequences, head)
+    loss.backward()
+    _dense_sgd(replicated.parameters())
+    return loss.detach(), sequences
+
+
+def _tpu_step(model: DistributedModelParallel, item: Batch) -> tuple[torch.Tensor, dict[str, JaggedTensor]]:
+    """A step without the pipeline: forward, backward (fused updates), SGD on the data-parallel
+    table."""
+    loss, output = model(item.to(TPU))
+    loss.backward()
+    _dense_sgd(p for _, p in in_backward_optimizer_filter(model.named_parameters()))
+    return output
+
+
 def _state(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """This rank's part of a model's state dict and, for a DMP model, its fused optimizer's, on
-    the host; a ShardedTensor contributes each local shard keyed with its layout."""
+    the host, keys without `prefix`; a ShardedTensor contributes each local shard keyed with its
+    layout."""
     out = {}
     for key, value in model.state_dict().items():
         out.update(_local(key.removeprefix(prefix), value))
     if isinstance(model, DistributedModelParallel):
         for key, entries in model.fused_optimizer.state_dict()["state"].items():
             for name, value in entries.items():
-                out.update(_local(f"{key}/{name}", value))
+                out.update(_local(f"{key.removeprefix(prefix)}/{name}", value))
     return out
 
 
-def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+def _assert_step(got: tuple[torch.Tensor, dict[str, JaggedTensor]],
+                 expected: tuple[torch.Tensor, dict[str, JaggedTensor]], exact: bool, what: str) -> None:
+    """Same loss, and same features, lengths and values (bit for bit, or within 1e-5)."""
+    (got_loss, got_sequences), (loss, sequences) = got, expected
+    _assert_same(got_loss.cpu(), loss.cpu(), exact, f"{what} loss")
+    assert sorted(got_sequences) == sorted(sequences), f"{what}: features {sorted(got_sequences)} vs {sorted(sequences)}"
+    for key, sequence in sequences.items():
+        got_sequence = got_sequences[key]
+        assert torch.equal(got_sequence.lengths().cpu(), sequence.lengths().cpu()), f"{what} {key}: lengths differ"
+        _assert_same(got_sequence.values().detach().cpu(), sequence.values().detach().cpu(), exact, f"{what} {key} values")
 
 
-def compare_with_torchrec(rank: int, world: int, batch: int) -> None:
-    """`STEPS` steps of fused Adagrad on the mixed plan: each step's sequences (values and
-    lengths) and then the tables and optimizer state agree with TorchRec's within 1e-5. Then a
-    sample longer than its table's max_seq_len is refused before any id moves."""
-    os.environ.update(LOCAL_WORLD_SIZE=str(LOCAL_WORLD_SIZE), LOCAL_RANK=str(rank % LOCAL_WORLD_SIZE))
-    dist.init_process_group("cpu:gloo,tpu:tpu_dist")
-    gloo = dist.new_group(backend="gloo")
-    torch.manual_seed(3)
-    initial = EmbeddingCollection(tables(), device=CPU).state_dict()
-    tpu_plan, cpu_plan = _plans(world)
-    tpu = _tpu_model(tpu_plan, initial)
-    sharded, replicated = _reference(cpu_plan, initial, gloo)
-    names = [t.feature_names[0] for t in tables()]
+def compare_with_torchrec(rank: int, world: int, batch: int, checkpoint: str) -> None:
+    """`TrainPipelineSparseDist` drives the tpu model (batches to the device, input distribution
+    ahead, forward, backward, the fused Adagrad and the dense SGD) on the mixed plan for `STEPS`
+    steps; TorchRec's CPU model takes them one by one: each step's loss and sequences (values and
+    lengths), then the tables and optimizer state, agree within 1e-5. The model, detached from the
+    pipeline, is saved to `checkpoint` and restored into a model built from other weights
+    (bit-exact, and identical further steps). A sample longer than its table's max_seq_len is
+    refused before any id moves."""
+    gloo = _start(rank)
     rng = np.random.default_rng(7)
-    for step, (lengths, values) in enumerate(random_batches(rng, world, batch, STEPS)):
-        kjt = local_kjt(lengths, values, rank, batch)
-        counts = kjt.length_per_key()
-        heads = {key: torch.from_numpy(rng.standard_normal((n, DIM)).astype(np.float32))
-                 for key, n in zip(names, counts)}
-        expected = sharded(local_kjt(lengths, values, rank, batch, names[:3])).wait()
-        expected.update(replicated(local_kjt(lengths, values, rank, batch, names[3:])))
-        _loss(expected, heads).backward()
-        _dense_sgd(replicated.parameters())
-        got = tpu(kjt.to(TPU)).wait()
-        _loss(got, heads).backward()
-        _dense_sgd(p for _, p in in_backward_optimizer_filter(tpu.named_parameters()))
-        assert sorted(got) == sorted(expected), f"step {step}: features {sorted(got)} vs {sorted(expected)}"
-        for key, sequence in expected.items():
-            assert torch.equal(got[key].lengths().cpu(), sequence.lengths()), f"step {step} {key}: lengths differ"
-            _assert_close(got[key].values().cpu(), sequence.values().detach(), f"step {step} {key} values")
-    state = _state(tpu)
+    head = torch.from_numpy(rng.standard_normal(DIM).astype(np.float32))
+    steps = random_batches(rng, world, batch, STEPS)
+    initial = _initial(seed=3)
+    tpu_plan, cpu_plan = _plans(world)
+    tpu = _tpu_model(tpu_plan, initial, head)
+    sharded, replicated = _reference(cpu_plan, initial, gloo)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(tpu.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LEARNING_RATE))
+    optimizer = CombinedOptimizer([tpu.fused_optimizer, dense])
+    pipeline = TrainPipelineSparseDist(tpu, optimizer, TPU)
+    batches = iter([_batch(local_kjt(lengths, values, rank, batch), batch) for lengths, values in steps])
+    for step, (lengths, values) in enumerate(steps):
+        expected = _reference_step(sharded, replicated, lengths, values, rank, batch, head)
+        _assert_step(pipeline.progress(batches), expected, exact=False, what=f"step {step}")
     reference = {**_state(sharded), **_state(replicated, prefix="module.")}
-    assert sorted(state) == sorted(reference), f"state keys differ: {sorted(state)} vs {sorted(reference)}"
     assert any("momentum1" in key for key in reference), f"no Adagrad state compared: {sorted(reference)}"
-    for key, value in reference.items():
-        _assert_close(state[key], value, f"after {STEPS} steps: {key}")
-    print(f"rank {rank}: sequence embeddings match TorchRec", flush=True)
+    _assert_states(_state(tpu, prefix="ec."), reference, exact=False, label=f"after {STEPS} steps")
+    print(f"rank {rank}: sequence embeddings in TrainPipelineSparseDist match TorchRec", flush=True)
+    tpu = pipeline.detach()
+    optimizer.zero_grad()  # the pipeline zeroes gradients before each step, not after its last
+    _resume_in_place(tpu, tpu_plan, head, rank, world, batch, gloo, checkpoint)
     _refuses_overlong_sequence(tpu, rank, batch)
     dist.destroy_process_group()
+
+
+def _resume_in_place(tpu: DistributedModelParallel, plan: dict, head: torch.Tensor, rank: int, world: int,
+                     batch: int, gloo: dist.ProcessGroup, path: str) -> None:
+    """Save `tpu`, restore it into a model built from other weights: the same state bit for bit,
+    and the same losses, sequences and state after more steps."""
+    _save(tpu, path, gloo)
+    restored = _tpu_model(plan, _initial(seed=11), head)
+    _load(restored, path, gloo)
+    _assert_states(_state(restored), _state(tpu), exact=True, label="restored")
+    for step, (lengths, values) in enumerate(random_batches(np.random.default_rng(9), world, batch, RESUMED_STEPS)):
+        item = _batch(local_kjt(lengths, values, rank, batch), batch)
+        _assert_step(_tpu_step(restored, item), _tpu_step(tpu, item), exact=True, what=f"restored step {step}")
+    _assert_states(_state(restored), _state(tpu), exact=True, label="restored after training")
+    print(f"rank {rank}: checkpoint round trip ok", flush=True)
 
 
 def _refuses_overlong_sequence(tpu: DistributedModelParallel, rank: int, batch: int) -> None:
     lengths = np.ones((len(tables()), batch), dtype=np.int64)
     lengths[0, batch // 2] = MAX_SEQ_LEN["t0"] + 2
     values = [np.zeros(int(row.sum()), dtype=np.int64) for row in lengths]
-    kjt = local_kjt(lengths, values, 0, batch)
     try:
-        tpu(kjt.to(TPU))
+        tpu(_batch(local_kjt(lengths, values, 0, batch), batch).to(TPU))
     except ValueError as error:
         message = str(error)
         assert "'f0'" in message and "6 ids" in message and "max_seq_len 4" in message, message

@@ -1,10 +1,13 @@
 """TorchRec's `EmbeddingCollection` under `DistributedModelParallel` on `tpu` with the plugin's
-sharders, against TorchRec on CPU over gloo (its own EC sharder and FBGEMM's CPU kernels; DDP over
-its unsharded EC for the data-parallel table): same plan -- table-wise, row-wise, column-wise and
-data-parallel tables --, initial weights and batches; each step's sequences (values and lengths)
-and the tables and Adagrad state after 5 fused steps agree within 1e-5, and a sample longer than
-its table's `max_seq_len` is refused naming it (`_ec_workers`). Without a spawn: the sharder's
-`max_seq_len` setting and the planner on a model holding an EmbeddingCollection."""
+sharders, driven by `TrainPipelineSparseDist`, against TorchRec on CPU over gloo (its own EC
+sharder and FBGEMM's CPU kernels; DDP over its unsharded EC for the data-parallel table) taking
+the same steps one by one: same plan -- table-wise, row-wise, column-wise and data-parallel
+tables --, initial weights and batches; each step's loss and sequences (values and lengths) and
+the tables and Adagrad state after 5 fused steps agree within 1e-5. A distributed checkpoint of
+the tpu model restores bit-exactly into a model of other weights, which trains on identically; a
+sample longer than its table's `max_seq_len` is refused naming it (`_ec_workers`, one spawn of two
+ranks). Without a spawn: the sharder's `max_seq_len` setting and the planner on a model holding
+an EmbeddingCollection."""
 
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ BATCH_PER_RANK = 8
 
 
 @pytest.mark.slow
-def test_two_ranks_match_torchrec():
-    run_processes(_ec_workers.compare_with_torchrec, 2, 1, BATCH_PER_RANK, timeout=900)
+def test_two_ranks_match_torchrec_checkpoint_and_pipeline(tmp_path):
+    run_processes(_ec_workers.compare_with_torchrec, 2, 1, BATCH_PER_RANK, str(tmp_path / "checkpoint"), timeout=900)
 
 
 def test_max_seq_len_setting():

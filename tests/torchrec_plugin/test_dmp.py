@@ -2,12 +2,15 @@
 CPU over gloo (FBGEMM's CPU kernels): same plan, initial weights and batches; forward outputs,
 the tables and the fused optimizer's state (TorchRec's names, shapes and shard layout) after 10
 fused-optimizer steps agree within 1e-5, with SGD, Adagrad and row-wise Adagrad, on a plan
-holding every sharding type. Distributed checkpoints (`torch.distributed.checkpoint` of the
-model's and the fused optimizer's state dicts) restore bit-exactly and training goes on
-identically; one written by two ranks loads at four ranks, where the tpu model holds what
-TorchRec's model holds from it and both train on alike. `TrainPipelineSparseDist` drives the tpu
-model through the same steps as TorchRec's. Each rank is a spawned stand-in process driving one
-device; ranks form hosts of two (`_dmp_workers.LOCAL_WORLD_SIZE`)."""
+holding every sharding type (table-wise, row-wise, column-wise, data-parallel and table-row-wise).
+Distributed checkpoints (`torch.distributed.checkpoint` of the model's and the fused optimizer's
+state dicts) restore bit-exactly and training goes on identically; one written by two ranks loads
+at four ranks, where the tpu model holds what TorchRec's model holds from it, and after 10 more
+row-wise Adagrad steps both agree within 1e-5 in forward outputs, tables and optimizer state (the
+table-row-wise table moves to the second host, whose ranks the first host's send ids).
+`TrainPipelineSparseDist` drives the tpu model through the same steps as TorchRec's. Each rank is
+a spawned stand-in process driving one device; ranks form hosts of two
+(`_dmp_workers.LOCAL_WORLD_SIZE`)."""
 
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ BATCH_PER_RANK = 8
 @pytest.fixture(scope="module")
 def two_rank_checkpoint(tmp_path_factory) -> Path:
     """One spawn of two ranks for all of the following (test budget): SGD, Adagrad and row-wise
-    Adagrad on the plan holding every sharding type (table-wise, row-wise, column-wise and
-    data-parallel tables; plans of one type each are `_dmp_workers.plans`, run by hand), the
-    last one checkpointed and restored, then the train pipeline. Returns the checkpoint."""
+    Adagrad on the plan holding every sharding type (table-wise, row-wise, column-wise,
+    data-parallel and table-row-wise tables; plans of one type each are `_dmp_workers.plans`, run
+    by hand), the last one checkpointed and restored, then the train pipeline. Returns the
+    checkpoint."""
     path = tmp_path_factory.mktemp("dmp") / "checkpoint"
     cases = (("mixed", "sgd"), ("mixed", "adagrad"), ("mixed", "rowwise_adagrad"))
     run_processes(_dmp_workers.compare_with_torchrec, 2, 1, BATCH_PER_RANK, cases, str(path), timeout=900)

@@ -13,7 +13,9 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import stand_in  # tests/ is on sys.path (rootdir conftest)
+
+os.environ.setdefault("XLA_FLAGS", stand_in.xla_flags(8))
 os.environ.setdefault("TORCHTPU_NUM_DEVICES", "4")
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Each pytest-xdist worker is a host of its own (it holds its devices for the whole run).

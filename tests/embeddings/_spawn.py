@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
+import stand_in
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -49,6 +51,6 @@ def _entry(rank: int, fn: Callable, world: int, devices: int, port: int, lock_ro
         LOCAL_WORLD_SIZE="1",
         TORCHTPU_LOCK_DIR=os.path.join(lock_root, str(rank)),
         TORCHTPU_NUM_DEVICES=str(devices),
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=stand_in.xla_flags(devices),
     )
     fn(rank, world, *args)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import stand_in
+
 STEPS = 160
 
 
@@ -28,7 +30,7 @@ def _run_job(tmp_path: Path, function: str, *args) -> dict:
         **os.environ,
         "PYTHONPATH": str(Path(__file__).parents[3]),
         "TORCHTPU_NUM_DEVICES": "1",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": stand_in.xla_flags(1),
         "TORCHTPU_LOCK_DIR": str(tmp_path / "locks"),
     }
     subprocess.run([sys.executable, "-c", call], cwd=Path(__file__).parent, env=env, check=True, timeout=900)

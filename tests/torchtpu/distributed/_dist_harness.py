@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
+import stand_in
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -64,7 +66,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, lock_root: str, 
         LOCAL_WORLD_SIZE=str(world_size if layout == "one_host" else 1),
         TORCHTPU_LOCK_DIR=lock_root if layout == "one_host" else os.path.join(lock_root, str(rank)),
         TORCHTPU_NUM_DEVICES=str(devices),
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=stand_in.xla_flags(devices),
     )
     # JAX's multi-process runtime waits at exit for every process to leave it. A failed rank
     # leaves at once instead (its error is already recorded), so the test sees the error rather

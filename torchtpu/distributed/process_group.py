@@ -138,7 +138,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         c = "all_gather_into_tensor"
         backend = self._route(c, [output, input])
         checks.world_multiple(c, output, "output_tensor", input, "input_tensor", self.size())
-        return backend.all_gather_single(output, input, opts or c10d.AllgatherOptions())
+        return _single_tensor(backend, "all_gather_single")(output, input, opts or c10d.AllgatherOptions())
 
     _allgather_base = all_gather_single
 
@@ -154,7 +154,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         c = "reduce_scatter_tensor"
         backend = self._route(c, [output, input])
         checks.world_multiple(c, input, "input", output, "output", self.size())
-        return backend.reduce_scatter_single(output, input, opts or c10d.ReduceScatterOptions())
+        return _single_tensor(backend, "reduce_scatter_single")(output, input, opts or c10d.ReduceScatterOptions())
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -238,6 +238,17 @@ def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: 
     if choice == "host":
         return HostTransport(gloo, rank)
     raise ValueError(f"{TRANSPORT_ENV}={choice!r}: expected 'xla' or 'host'")
+
+
+_GLOO_SINGLE_TENSOR = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base"}
+
+
+def _single_tensor(backend, name: str):
+    """`backend`'s single-tensor collective `name`: gloo's Python binding has these only under
+    their older names (`_allgather_base`, `_reduce_scatter_base`)."""
+    if isinstance(backend, c10d.ProcessGroupGloo):
+        return getattr(backend, _GLOO_SINGLE_TENSOR[name])
+    return getattr(backend, name)
 
 
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupTPU:

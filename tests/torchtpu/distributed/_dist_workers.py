@@ -297,9 +297,11 @@ def collectives_vs_gloo(rank: int, world: int, modes: tuple[str, ...], small_int
                         last_bit: frozenset[str] = frozenset()) -> None:
     """Every collective, dtype and sync/async mode on tpu tensors equals gloo on CPU tensors,
     bit for bit (the `last_bit` cases to within a unit in the last place); in the other eager
-    modes, with inputs that are pending results."""
+    modes, with inputs that are pending results. Then CPU tensors through the mixed group
+    ("cpu:gloo,tpu:tpu_dist") equal gloo's own group."""
     reference = dist.new_group(backend="gloo")
     device = torch.device("tpu", rank)
+    _cpu_through_mixed_group(rank, world, reference, small_integers)
     for mode in modes:
         torchtpu.set_eager_mode(mode)
         for dtype in DTYPES:
@@ -323,6 +325,23 @@ def collectives_vs_gloo(rank: int, world: int, modes: tuple[str, ...], small_int
                             assert_same_bits(a, b, f"{what} output {i}")
         dist.barrier()
     torchtpu.set_eager_mode("strict")
+
+
+def _cpu_through_mixed_group(rank: int, world: int, reference: dist.ProcessGroup, small_integers: bool) -> None:
+    """Every collective on CPU tensors through the default group, which serves cpu by gloo,
+    gives what gloo's own group gives."""
+    cpu = torch.device("cpu")
+    for dtype in DTYPES:
+        for name, case in CASES.items():
+            if (name, dtype) in REJECTED:
+                continue
+            got = _outcome(case, Case(rank, world, cpu, dist.group.WORLD, dtype, False, False, small_integers))
+            want = _outcome(case, Case(rank, world, cpu, reference, dtype, False, False, small_integers))
+            what = f"{name} {dtype} on cpu tensors through the mixed group, rank={rank}"
+            assert not isinstance(want, str), f"{what}: gloo raised {want}"
+            assert not isinstance(got, str), f"{what}: raised {got}"
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert_same_bits(a, b, f"{what} output {i}")
 
 
 # --- uneven all-to-all fuzzing against a NumPy model ----------------------------------------

@@ -209,6 +209,20 @@ def _all_to_all_single_uneven(c: Case):
     return [out], False
 
 
+def _all_to_all_single_empty_side(c: Case):
+    """TorchRec's sequence all-to-all from a rank that holds no table: rank 0 sends nothing, as
+    `[0, 3]`, and every rank receives into a flat output; c10d ignores the row shape of a side
+    without rows, and so must tpu_dist."""
+    if c.rank == 0:
+        inp, send = c.data(0, 3), [0] * c.world
+    else:
+        inp, send = c.data(3 * c.world), [3] * c.world
+    recv = [0] + [3] * (c.world - 1)
+    out = c.empty(sum(recv))
+    c.run(dist.all_to_all_single, out, inp, recv, send)
+    return [out], False
+
+
 def _all_to_all(c: Case):
     """Equal sizes: gloo's list form hangs on unequal ones (the fuzz test covers those)."""
     outs = [c.empty(3, 2) for _ in range(c.world)]
@@ -246,6 +260,7 @@ CASES: dict[str, Callable] = {
     "all_to_all_single_even": _all_to_all_single_even,
     "all_to_all_single_in_place": _all_to_all_single_in_place,
     "all_to_all_single_uneven": _all_to_all_single_uneven,
+    "all_to_all_single_empty_side": _all_to_all_single_empty_side,
     "all_to_all": _all_to_all,
     "send_recv": _send_recv,
 }

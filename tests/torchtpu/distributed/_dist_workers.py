@@ -449,6 +449,28 @@ def guessed_all_to_all(rank: int, world: int) -> None:
     after = torchtpu.metrics()
     counted = [after.get(k, 0) - before.get(k, 0) for k in ("dist_all_to_all_guessed", "dist_all_to_all_guess_missed")]
     assert counted == [4, 2], f"rank {rank}: guesses confirmed/missed {counted}, expected [4, 2]"
+    _outputs_stay_in_place(rank, world)
+
+
+def _outputs_stay_in_place(rank: int, world: int) -> None:
+    """Repeated calls on the same tensors write their outputs in their own device buffers every
+    time: gloo letting go of a call's host buffers late never makes the next call copy them."""
+    from torchtpu.exec import memory
+
+    tpu = torch.device("tpu", rank)
+    out, inp = torch.zeros(8 * world).to(tpu), torch.full((8 * world,), float(rank)).to(tpu)
+    reduced = torch.ones(1 << 16).to(tpu)
+
+    def both() -> tuple[int, int]:
+        dist.all_to_all_single(out, inp)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        return memory.to_array(out).unsafe_buffer_pointer(), memory.to_array(reduced).unsafe_buffer_pointer()
+
+    first = both()  # the first claim may copy (the buffers came from the host)
+    for i in range(20):
+        assert both() == first, f"rank {rank}: call {i} moved an output to another buffer"
+    assert torch.equal(out.cpu(), torch.arange(world, dtype=torch.float32).repeat_interleave(8))
+    assert torch.equal(reduced.cpu(), torch.ones(1 << 16))
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import torch
 
-from torchtpu.distributed.host_transport import ReceiveBuffers, claim, host_view
+from torchtpu.distributed.host_transport import ReceiveBuffers, _borrowed, claim, host_view
 from torchtpu.exec import memory
 
 
@@ -104,3 +104,14 @@ def test_only_whole_tensors_whose_buffer_nothing_else_holds_are_claimed():
     del held
     assert claim(base) is not None
     assert claim(torch.empty(3, device="tpu:0")) is None  # never written: no buffer to claim
+
+
+def test_what_gloo_holds_does_not_keep_a_claimed_buffer_exported():
+    t = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4).to("tpu:0")
+    claim(t)
+    host = claim(t)
+    lent = _borrowed(host)
+    assert lent.data_ptr() == host.data_ptr() and lent.dtype == host.dtype and torch.equal(lent, host)
+    del host  # the transport lets go once gloo is done; gloo may hold `lent` a while longer
+    again = claim(t)
+    assert again is not None and again.data_ptr() == lent.data_ptr()  # aliased, not copied

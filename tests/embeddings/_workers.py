@@ -21,19 +21,19 @@ STEPS = 10
 
 def train_against_references(rank: int, world: int, batch_per_process: int, modes: tuple[str, ...]) -> None:
     """Forward and 10 training steps of every optimizer against its fused reference, as this
-    process's rows of each global batch; then a sharded checkpoint round trip."""
+    process's rows of each global batch, the `modes` taken in turn (test_modules runs every
+    optimizer in every mode on the default topology); then a sharded checkpoint round trip."""
     if world > 1:
         dist.init_process_group("gloo")
         join_process_mesh()
     tables = bag_tables()
     rows = slice(rank * batch_per_process, (rank + 1) * batch_per_process)
-    for mode in modes:
-        for optimizer in sorted(OPTIMIZERS):
-            spec = OPTIMIZERS[optimizer]
-            ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=batch_per_process, optimizer=spec)
-            run = torch.compile(ebc, backend="tpu") if mode == "compiled" else ebc
-            with torchtpu.eager_mode("defer" if mode == "defer" else "strict"):
-                check_bag_training(ebc, run, tables, optimizer, STEPS, batch_per_process * world, rows, seed=11)
+    for i, optimizer in enumerate(sorted(OPTIMIZERS)):
+        mode = modes[i % len(modes)]
+        ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=batch_per_process, optimizer=OPTIMIZERS[optimizer])
+        run = torch.compile(ebc, backend="tpu") if mode == "compiled" else ebc
+        with torchtpu.eager_mode("defer" if mode == "defer" else "strict"):
+            check_bag_training(ebc, run, tables, optimizer, STEPS, batch_per_process * world, rows, seed=11)
     _checkpoint_round_trip(rank, world, tables, batch_per_process)
     if world > 1:
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """The same acceptance as test_modules on other topologies, in spawned stand-in hosts: one
 device, and two processes of two devices each (one mesh through JAX's multi-process runtime,
 each process feeding its half of every batch). Forward and 10 steps of SGD, Adagrad, row-wise
-Adagrad and Adam equal the fused references within 1e-5; a sharded checkpoint round-trips."""
+Adagrad and Adam (each test's two modes taken in turn) equal the fused references within 1e-5; a
+sharded checkpoint round-trips."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import pytest
 
 import stand_in
 
-STEPS = 160
+STEPS = 120
 
 
 def _run_job(tmp_path: Path, function: str, *args) -> dict:

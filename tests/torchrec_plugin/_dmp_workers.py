@@ -71,14 +71,15 @@ def tables() -> list[EmbeddingBagConfig]:
 
 
 def plans(world: int) -> dict[str, dict]:
-    """Per-table sharding generators: one plan per sharding type, and a mixed one holding every
-    type -- t0 table-wise, t1 row-wise, t2 column-wise, t3 data-parallel, t4 table-row-wise on the
+    """Per-table sharding generators: one plan per sharding type (column-wise in shards of 8
+    columns, SparseCore's padded width), and a mixed one holding every type -- t0 table-wise, t1 row-wise, t2 column-wise, t3 data-parallel, t4 table-row-wise on the
     last host (at four ranks the other host's ranks send it their ids)."""
     names = [t.name for t in tables()]
     every = {
         "table_wise": {name: table_wise(rank=i % world) for i, name in enumerate(names)},
         "row_wise": {name: row_wise() for name in names},
-        "column_wise": {name: column_wise(ranks=[(i + k) % world for k in range(2)]) for i, name in enumerate(names)},
+        "column_wise": {t.name: column_wise(ranks=[(i + k) % world for k in range(t.embedding_dim // 8)])
+                        for i, t in enumerate(tables())},
         "table_row_wise": {name: table_row_wise(host_index=0) for name in names},
         "data_parallel": {name: data_parallel() for name in names},
     }

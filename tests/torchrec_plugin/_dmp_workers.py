@@ -1,9 +1,10 @@
-"""What the spawned processes of the DMP tests run: a TorchRec model sharded by
-`DistributedModelParallel` on `tpu` with the plugin's sharders, against the same model sharded by
-TorchRec's own sharders on CPU over gloo (FBGEMM's CPU kernels, the reference), with the same
-plan, initial weights and batches: forward outputs, tables and fused-optimizer state; distributed
-checkpoints of both (`torch.distributed.checkpoint`); and `TrainPipelineSparseDist` driving the
-tpu model."""
+"""What the spawned processes of the DMP tests run: one EmbeddingBagCollection with a table for
+every sharding type and fused optimizer (`tables`, `plan`), sharded by `DistributedModelParallel`
+on `tpu` with the plugin's sharders, against the same model sharded by TorchRec's own sharders
+on CPU over gloo (FBGEMM's CPU kernels, the reference), with the same plan, initial weights and
+batches: forward outputs, tables and fused-optimizer state; distributed checkpoints of both
+(`torch.distributed.checkpoint`), restored at the same and at another world size; and
+`TrainPipelineSparseDist` driving a tpu model of one table per sharding type."""
 
 from __future__ import annotations
 
@@ -55,56 +56,77 @@ OPTIMIZERS = {
     "adagrad": (torch.optim.Adagrad, {"lr": LEARNING_RATE, "eps": 1e-6}),
     "rowwise_adagrad": (RowWiseAdagrad, {"lr": LEARNING_RATE, "eps": 1e-6}),
 }
+SHARDING_TYPES = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "twrw": "table_row_wise",
+                  "dp": "data_parallel"}
+"""Each sharding type by the prefix of its tables' names."""
+PIPELINE_OPTIMIZER = "adagrad"
+"""The train pipeline's model holds the tables of this optimizer only: one per sharding type."""
 CPU, TPU = torch.device("cpu"), torch.device("tpu", 0)
 
 
-def tables() -> list[EmbeddingBagConfig]:
-    """Five tables, one per sharding type of the mixed plan; t2, which it splits by columns, into
-    shards of 8 columns. Narrower shards are padded to 8 columns on SparseCore, where a row-wise
-    optimizer is refused (its slot would average over the padding; `sparsecore.layout`)."""
-    sizes, dims = (64, 200, 96, 128, 160), (8, 16, 16, 16, 16)
-    return [
-        EmbeddingBagConfig(name=f"t{i}", num_embeddings=v, embedding_dim=d, feature_names=[f"f{i}"],
-                           pooling=PoolingType.SUM)
-        for i, (v, d) in enumerate(zip(sizes, dims))
-    ]
+def tables(optimizers: tuple[str, ...] = tuple(OPTIMIZERS)) -> list[EmbeddingBagConfig]:
+    """One table `<type>_<optimizer>` per sharding type (`SHARDING_TYPES`) and optimizer, of
+    various sizes; the column-wise ones 16 wide, cut into shards of 8 columns. Narrower shards
+    are padded to 8 columns on SparseCore, where a row-wise optimizer is refused (its slot would
+    average over the padding; `sparsecore.layout`)."""
+    out = []
+    for i, kind in enumerate(SHARDING_TYPES):
+        for j, optimizer in enumerate(OPTIMIZERS):
+            if optimizer not in optimizers:
+                continue
+            name = f"{kind}_{optimizer}"
+            out.append(EmbeddingBagConfig(
+                name=name, num_embeddings=40 + 8 * (3 * i + j), embedding_dim=16 if kind == "cw" or (i + j) % 2 else 8,
+                feature_names=[f"f_{name}"], pooling=PoolingType.SUM,
+            ))
+    return out
 
 
-def plans(world: int) -> dict[str, dict]:
-    """Per-table sharding generators: one plan per sharding type (column-wise in shards of 8
-    columns, SparseCore's padded width), and a mixed one holding every type -- t0 table-wise, t1 row-wise, t2 column-wise, t3 data-parallel, t4 table-row-wise on the
-    last host (at four ranks the other host's ranks send it their ids)."""
-    names = [t.name for t in tables()]
-    every = {
-        "table_wise": {name: table_wise(rank=i % world) for i, name in enumerate(names)},
-        "row_wise": {name: row_wise() for name in names},
-        "column_wise": {t.name: column_wise(ranks=[(i + k) % world for k in range(t.embedding_dim // 8)])
-                        for i, t in enumerate(tables())},
-        "table_row_wise": {name: table_row_wise(host_index=0) for name in names},
-        "data_parallel": {name: data_parallel() for name in names},
-    }
-    every["mixed"] = {
-        "t0": table_wise(rank=world - 1), "t1": row_wise(), "t2": column_wise(ranks=[0, world - 1]),
-        "t3": data_parallel(), "t4": table_row_wise(host_index=world // LOCAL_WORLD_SIZE - 1),
-    }
-    return every
+def _optimizer(table: str) -> str:
+    return table.split("_", 1)[1]
 
 
-def _width() -> int:
-    """Columns of all tables' pooled outputs side by side."""
-    return sum(t.embedding_dim for t in tables())
+def plan(world: int) -> dict:
+    """Every table's sharding generator, by the type its name gives: table-wise tables and
+    column-wise shards on various ranks (at two ranks one column-wise table has its second shard
+    on the lower rank), table-row-wise tables on every host in turn (at four ranks the other
+    host's ranks send them their ids)."""
+    hosts = world // LOCAL_WORLD_SIZE
+    generators = {}
+    for t in tables():
+        kind, j = t.name.split("_", 1)[0], list(OPTIMIZERS).index(_optimizer(t.name))
+        if kind == "tw":
+            generators[t.name] = table_wise(rank=(j + 1) % world)
+        elif kind == "rw":
+            generators[t.name] = row_wise()
+        elif kind == "cw":
+            generators[t.name] = column_wise(ranks=[(j + k) % world for k in range(t.embedding_dim // 8)])
+        elif kind == "twrw":
+            generators[t.name] = table_row_wise(host_index=j % hosts)
+        else:
+            generators[t.name] = data_parallel()
+    return generators
 
 
-def random_batches(rng: np.random.Generator, world: int, batch: int, count: int) -> list[KeyedJaggedTensor]:
+def _width(configs: list[EmbeddingBagConfig]) -> int:
+    """Columns of the tables' pooled outputs side by side."""
+    return sum(t.embedding_dim for t in configs)
+
+
+def random_batches(rng: np.random.Generator, configs: list[EmbeddingBagConfig], world: int, batch: int,
+                   count: int) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """`count` global batches of 0 to 3 ids per sample and table: lengths, and each table's ids."""
     out = []
     for _ in range(count):
-        lengths = rng.integers(0, 4, size=(len(tables()), world * batch))
-        values = [rng.integers(0, t.num_embeddings, size=int(lengths[i].sum())) for i, t in enumerate(tables())]
+        lengths = rng.integers(0, 4, size=(len(configs), world * batch))
+        values = [rng.integers(0, t.num_embeddings, size=int(lengths[i].sum())) for i, t in enumerate(configs)]
         out.append((lengths, values))
     return out
 
 
-def local_kjt(lengths: np.ndarray, values: list[np.ndarray], rank: int, batch: int) -> KeyedJaggedTensor:
+def local_kjt(configs: list[EmbeddingBagConfig], lengths: np.ndarray, values: list[np.ndarray], rank: int,
+              batch: int) -> KeyedJaggedTensor:
+    """This rank's `batch` samples of a global batch."""
     rows = slice(rank * batch, (rank + 1) * batch)
     local_values, local_lengths = [], []
     for key, ids in enumerate(values):
@@ -112,19 +134,23 @@ def local_kjt(lengths: np.ndarray, values: list[np.ndarray], rank: int, batch: i
         local_values.append(ids[starts[rows.start]: starts[rows.stop]])
         local_lengths.append(lengths[key, rows])
     return KeyedJaggedTensor(
-        keys=[t.feature_names[0] for t in tables()],
+        keys=[t.feature_names[0] for t in configs],
         values=torch.from_numpy(np.concatenate(local_values).astype(np.int64)),
         lengths=torch.from_numpy(np.concatenate(local_lengths).astype(np.int64)),
     )
 
 
-def _ebc(seed: int, optimizer: str) -> EmbeddingBagCollection:
-    """The tables initialised from `seed` and marked for the fused `optimizer`. Each model gets
-    its own: `apply_optimizer_in_backward` marks the parameters, and a deep copy drops the mark."""
+def _ebc(seed: int, configs: list[EmbeddingBagConfig]) -> EmbeddingBagCollection:
+    """The tables initialised from `seed`, each marked for its own fused optimizer (TorchRec
+    groups tables by fused parameters, so each optimizer gets kernels of its own). Each model
+    gets its own: `apply_optimizer_in_backward` marks the parameters, and a deep copy drops the
+    mark. TorchRec ignores the mark on data-parallel tables (DENSE kernels; their gradients stay
+    in `.grad`), which both sides then step with SGD by hand (`_step`)."""
     torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(tables(), device=CPU)
-    optimizer_class, kwargs = OPTIMIZERS[optimizer]
-    apply_optimizer_in_backward(optimizer_class, ebc.embedding_bags.parameters(), dict(kwargs))
+    ebc = EmbeddingBagCollection(configs, device=CPU)
+    for t in configs:
+        optimizer_class, kwargs = OPTIMIZERS[_optimizer(t.name)]
+        apply_optimizer_in_backward(optimizer_class, [ebc.embedding_bags[t.name].weight], dict(kwargs))
     return ebc
 
 
@@ -184,52 +210,56 @@ def _start(rank: int) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo")
 
 
-def compare_with_torchrec(rank: int, world: int, batch: int, cases: tuple[tuple[str, str], ...],
-                          checkpoint: str | None = None) -> None:
-    """Each (plan, optimizer) case on tpu against TorchRec on CPU; with `checkpoint`, the last
-    case's tpu model is saved there, restored into a model built from other weights (bit-exact)
-    and both train on identically; then `TrainPipelineSparseDist` drives a tpu model."""
+def compare_with_torchrec(rank: int, world: int, batch: int, checkpoint: str) -> None:
+    """The every-type plan on tpu against TorchRec on CPU (`_compare`); the tpu model is then
+    saved to `checkpoint`, restored into a model built from other weights (bit-exact) and both
+    train on identically; then `TrainPipelineSparseDist` drives a tpu model."""
     gloo = _start(rank)
-    for plan_name, optimizer in cases:
-        tpu, _ = _compare(rank, world, batch, plan_name, optimizer, gloo)
-    if checkpoint is not None:
-        _resume_in_place(tpu, rank, world, batch, plan_name, optimizer, gloo, checkpoint)
-        _pipeline_against_torchrec(rank, world, batch, gloo)
+    tpu, _ = _compare(rank, world, batch, gloo)
+    _resume_in_place(tpu, rank, world, batch, gloo, checkpoint)
+    _pipeline_against_torchrec(rank, world, batch, gloo)
     dist.destroy_process_group()
 
 
-def resume_on_another_world_size(rank: int, world: int, batch: int, checkpoint: str) -> None:
-    """Load a checkpoint that another world size wrote (mixed plan, row-wise Adagrad) into a tpu
-    model and into TorchRec's CPU model of this world size, both built from other weights: they
-    hold the same state bit for bit, and after `STEPS` more steps the same outputs, tables and
-    optimizer state (within 1e-5)."""
+def compare_and_resume_on_another_world_size(rank: int, world: int, batch: int, checkpoint: str) -> None:
+    """The every-type plan on tpu against TorchRec on CPU (`_compare`); then both trained models
+    load a checkpoint that another world size wrote: they hold the same state bit for bit (none
+    of it what they held before), and after `RESUMED_STEPS` more steps the same outputs, tables
+    and optimizer state (within 1e-5)."""
     gloo = _start(rank)
-    tpu, reference = _models(world, "mixed", "rowwise_adagrad", gloo, seed=11)
+    tpu, reference = _compare(rank, world, batch, gloo)
+    before = _state(tpu)
     _load(tpu, checkpoint, gloo)
     _load(reference, checkpoint, gloo)
-    _assert_states(_state(tpu), _state(reference), exact=True, label=f"loaded at world size {world}")
-    _train_and_compare(tpu, reference, rank, world, batch, STEPS, "resumed/rowwise_adagrad")
+    loaded = _state(tpu)
+    _assert_states(loaded, _state(reference), exact=True, label=f"loaded at world size {world}")
+    changed = [key for key, value in loaded.items() if value.numel() and not torch.equal(value, before[key])]
+    assert len(changed) == sum(1 for value in loaded.values() if value.numel()), "the load left some state as it was"
+    _train_and_compare(tpu, reference, rank, world, batch, RESUMED_STEPS, "resumed")
     _assert_states(_state(tpu), _state(reference), exact=False, label=f"resumed at world size {world}")
     print(f"rank {rank}: resumed at world size {world} ok", flush=True)
     dist.destroy_process_group()
 
 
-def _models(world: int, plan_name: str, optimizer: str, gloo: dist.ProcessGroup,
-            seed: int = 3) -> tuple[DistributedModelParallel, DistributedModelParallel]:
-    """The same tables (from `seed`) sharded by the same plan: on tpu, and by TorchRec on CPU."""
-    initial = _ebc(seed, optimizer).state_dict()
-    tpu_plan, cpu_plan = _plans(_ebc(seed, optimizer), plans(world)[plan_name], world)
-    reference = _shard(_ebc(seed, optimizer), cpu_plan, CPU, gloo)
-    tpu = _shard(_ebc(seed, optimizer), tpu_plan, TPU, gloo)
+def _tpu_model(world: int, gloo: dist.ProcessGroup, seed: int) -> DistributedModelParallel:
+    """The every-type plan's tables (from `seed`) sharded on tpu by the plugin."""
+    tpu_plan, _ = _plans(_ebc(seed, tables()), plan(world), world)
+    model = _shard(_ebc(seed, tables()), tpu_plan, TPU, gloo)
+    model.load_state_dict(_ebc(seed, tables()).state_dict())
+    return model
+
+
+def _compare(rank: int, world: int, batch: int,
+             gloo: dist.ProcessGroup) -> tuple[DistributedModelParallel, DistributedModelParallel]:
+    """The every-type plan's tables from the same weights, on tpu by the plugin and on CPU by
+    TorchRec: `STEPS` steps, the same outputs each step, tables and optimizer state after."""
+    initial = _ebc(3, tables()).state_dict()
+    tpu_plan, cpu_plan = _plans(_ebc(3, tables()), plan(world), world)
+    reference = _shard(_ebc(3, tables()), cpu_plan, CPU, gloo)
+    tpu = _shard(_ebc(3, tables()), tpu_plan, TPU, gloo)
     reference.load_state_dict(initial)
     tpu.load_state_dict(initial)
-    return tpu, reference
-
-
-def _compare(rank: int, world: int, batch: int, plan_name: str, optimizer: str,
-             gloo: dist.ProcessGroup) -> tuple[DistributedModelParallel, DistributedModelParallel]:
-    label = f"{plan_name}/{optimizer}"
-    tpu, reference = _models(world, plan_name, optimizer, gloo)
+    label = f"every type x optimizer at world size {world}"
     _train_and_compare(tpu, reference, rank, world, batch, STEPS, label)
     _assert_states(_state(tpu), _state(reference), exact=False, label=label)
     print(f"rank {rank}: {label} ok", flush=True)
@@ -241,10 +271,11 @@ def _train_and_compare(tpu: DistributedModelParallel, reference: DistributedMode
                        reference_device: torch.device = CPU) -> None:
     """`steps` steps of both models on the same batches; their forward outputs agree (within
     1e-5, or bit for bit)."""
+    configs = tables()
     rng = np.random.default_rng(7)
-    head = torch.from_numpy(rng.standard_normal((batch, _width())).astype(np.float32))
-    for step, (lengths, values) in enumerate(random_batches(rng, world, batch, steps)):
-        kjt = local_kjt(lengths, values, rank, batch)
+    head = torch.from_numpy(rng.standard_normal((batch, _width(configs))).astype(np.float32))
+    for step, (lengths, values) in enumerate(random_batches(rng, configs, world, batch, steps)):
+        kjt = local_kjt(configs, lengths, values, rank, batch)
         expected = _step(reference, kjt, head, reference_device)
         got = _step(tpu, kjt, head, TPU)
         for key, value in expected.items():
@@ -308,19 +339,23 @@ def _save(model: DistributedModelParallel, path: str, gloo: dist.ProcessGroup) -
 
 
 def _load(model: DistributedModelParallel, path: str, gloo: dist.ProcessGroup) -> None:
-    """TorchRec's way: DCP reads into the state dicts, which are then loaded."""
-    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=path, process_group=gloo)
-    model.load_state_dict(state["model"])
-    model.fused_optimizer.load_state_dict(state["optim"])
+    """TorchRec's way: DCP reads into the state dicts, which are then loaded. SGD tables have an
+    empty optimizer state, which DCP does not save; on a rank that lacks some other table's state
+    (a table-wise table elsewhere), DCP's loader then takes the empty entries for keys of an old
+    checkpoint format and fails, so they are left out of what it reads."""
+    model_state, optim_state = model.state_dict(), model.fused_optimizer.state_dict()
+    readable = {key: value for key, value in optim_state["state"].items() if value}
+    dcp.load({"model": model_state, "optim": {"state": readable}}, checkpoint_id=path, process_group=gloo)
+    model.load_state_dict(model_state)
+    model.fused_optimizer.load_state_dict(optim_state)
 
 
-def _resume_in_place(tpu: DistributedModelParallel, rank: int, world: int, batch: int, plan_name: str,
-                     optimizer: str, gloo: dist.ProcessGroup, path: str) -> None:
+def _resume_in_place(tpu: DistributedModelParallel, rank: int, world: int, batch: int, gloo: dist.ProcessGroup,
+                     path: str) -> None:
     """Save `tpu`, restore it into a model built from other weights: the same state bit for bit,
     and the same outputs and state after more steps."""
     _save(tpu, path, gloo)
-    restored, _ = _models(world, plan_name, optimizer, gloo, seed=11)
+    restored = _tpu_model(world, gloo, seed=11)
     _load(restored, path, gloo)
     _assert_states(_state(restored), _state(tpu), exact=True, label="restored")
     _train_and_compare(restored, tpu, rank, world, batch, RESUMED_STEPS, "restored", exact=True,
@@ -337,10 +372,11 @@ class _PipelinedModel(nn.Module):
         super().__init__()
         self.ebc = ebc
         self.register_buffer("head", head)
+        self._keys = [config.feature_names[0] for config in ebc.embedding_bag_configs()]
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         pooled = self.ebc(batch.sparse_features)
-        features = torch.cat([pooled[t.feature_names[0]] for t in tables()], dim=1)
+        features = torch.cat([pooled[key] for key in self._keys], dim=1)
         logits = (features * self.head).sum(dim=1) + batch.dense_features.sum(dim=1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, loss.detach()
@@ -348,21 +384,25 @@ class _PipelinedModel(nn.Module):
 
 def _pipeline_against_torchrec(rank: int, world: int, batch: int, gloo: dist.ProcessGroup) -> None:
     """`TrainPipelineSparseDist` drives the tpu model (batches to the device, input distribution
-    ahead, forward, backward, the fused and dense optimizers) on the mixed plan with Adagrad;
-    TorchRec's CPU model takes the same steps one by one: same losses and state."""
+    ahead, forward, backward, the fused and dense optimizers) on the every-type plan's tables of
+    `PIPELINE_OPTIMIZER` (one per sharding type); TorchRec's CPU model takes the same steps one
+    by one: same losses and state."""
+    configs = tables((PIPELINE_OPTIMIZER,))
     rng = np.random.default_rng(5)
-    head = torch.from_numpy(rng.standard_normal(_width()).astype(np.float32))
+    head = torch.from_numpy(rng.standard_normal(_width(configs)).astype(np.float32))
     batches = []
-    for lengths, values in random_batches(rng, world, batch, PIPELINE_STEPS):
+    for lengths, values in random_batches(rng, configs, world, batch, PIPELINE_STEPS):
         dense = torch.from_numpy(rng.standard_normal((world * batch, 2)).astype(np.float32))
         labels = torch.from_numpy(rng.integers(0, 2, world * batch).astype(np.float32))
         rows = slice(rank * batch, (rank + 1) * batch)
-        batches.append(Batch(dense[rows], local_kjt(lengths, values, rank, batch), labels[rows]))
-    initial = _PipelinedModel(_ebc(5, "adagrad"), head).state_dict()
-    tpu_plan, cpu_plan = _plans(_ebc(5, "adagrad"), plans(world)["mixed"], world, path="ebc")
+        batches.append(Batch(dense[rows], local_kjt(configs, lengths, values, rank, batch), labels[rows]))
+    initial = _PipelinedModel(_ebc(5, configs), head).state_dict()
+    generators = {name: generator for name, generator in plan(world).items()
+                  if _optimizer(name) == PIPELINE_OPTIMIZER}
+    tpu_plan, cpu_plan = _plans(_ebc(5, configs), generators, world, path="ebc")
     models = {}
-    for device, plan in ((CPU, cpu_plan), (TPU, tpu_plan)):
-        model = _shard(_PipelinedModel(_ebc(5, "adagrad"), head), plan, device, gloo, init_data_parallel=False)
+    for device, sharding_plan in ((CPU, cpu_plan), (TPU, tpu_plan)):
+        model = _shard(_PipelinedModel(_ebc(5, configs), head), sharding_plan, device, gloo, init_data_parallel=False)
         model = model.to(device)
         model.load_state_dict(initial)
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),

@@ -1,7 +1,9 @@
 """The TPU planner on a 26-table MLPerf-like DLRM (Criteo 1TB vocabularies, dim 128, row-wise
 Adagrad): plans for v5p x8 and v6e x8 fit each device's HBM, differ where the chips differ, and a
 table larger than a device's HBM gets an error naming it. Column-wise shards are never narrower
-than, nor a fraction of, the chip's padded width, whatever `min_partition` allows."""
+than, nor a fraction of, the chip's padded width, whatever `min_partition` allows; a table narrower
+than that width gets no SparseCore option under a row-wise optimizer (it would be refused), and
+an error naming it when nothing else is allowed."""
 
 from __future__ import annotations
 
@@ -133,3 +135,35 @@ def test_topology_presets():
     with pytest.raises(ValueError, match="unknown chip 'v9'"):
         torchrec_plugin.topology("v9", world_size=2)
     assert TpuStorageReservation().reserved_bytes == 0
+
+
+def _narrow(optimizer: type[torch.optim.Optimizer]) -> EmbeddingBagCollection:
+    """t0 12 columns wide (padded to 16 on v5p), t1 16, under `optimizer`."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000, embedding_dim=dim, feature_names=[f"f{i}"])
+              for i, dim in enumerate((12, 16))]
+    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.01})
+    return ebc
+
+
+def test_a_narrow_table_under_a_row_wise_optimizer_gets_no_sparsecore_option():
+    """SparseCore refuses a row-wise optimizer on a table narrower than its padded width, so the
+    planner offers such a table only what shards: data-parallel (t1, 16 wide, keeps every type;
+    under Adagrad t0 does too); with data-parallel ruled out its error names the table and why."""
+    topology = torchrec_plugin.topology("v5p", world_size=2)
+    planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH)
+    plan = planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
+    assert plan.plan[""]["t0"].sharding_type == ShardingType.DATA_PARALLEL.value
+    options = planner._enumerator.enumerate(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
+    types = {name: {o.sharding_type for o in options if o.name == name} for name in ("t0", "t1")}
+    assert types["t0"] == {ShardingType.DATA_PARALLEL.value}
+    assert ShardingType.COLUMN_WISE.value in types["t1"] and ShardingType.TABLE_WISE.value in types["t1"]
+    options = planner._enumerator.enumerate(_narrow(torch.optim.Adagrad), torchrec_plugin.sharders())
+    assert ShardingType.TABLE_WISE.value in {o.sharding_type for o in options if o.name == "t0"}
+
+    constraints = {"t0": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value,
+                                                              ShardingType.COLUMN_WISE.value])}
+    planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH, constraints=constraints)
+    with pytest.raises(PlannerError, match=r"table '.*t0' has no sharding option SparseCore accepts "
+                                           r"\(column_wise, table_wise: shards of \[12\] columns .* RowWiseAdagrad's row-wise"):
+        planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())

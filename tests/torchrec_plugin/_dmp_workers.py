@@ -83,6 +83,7 @@ def tables(optimizers: tuple[str, ...] = tuple(OPTIMIZERS)) -> list[EmbeddingBag
 
 
 def _optimizer(table: str) -> str:
+    """The `OPTIMIZERS` key of a table of `tables`."""
     return table.split("_", 1)[1]
 
 
@@ -233,8 +234,8 @@ def compare_and_resume_on_another_world_size(rank: int, world: int, batch: int, 
     _load(reference, checkpoint, gloo)
     loaded = _state(tpu)
     _assert_states(loaded, _state(reference), exact=True, label=f"loaded at world size {world}")
-    changed = [key for key, value in loaded.items() if value.numel() and not torch.equal(value, before[key])]
-    assert len(changed) == sum(1 for value in loaded.values() if value.numel()), "the load left some state as it was"
+    unchanged = [key for key, value in loaded.items() if value.numel() and torch.equal(value, before[key])]
+    assert not unchanged, f"the load left {unchanged} as they were"
     _train_and_compare(tpu, reference, rank, world, batch, RESUMED_STEPS, "resumed")
     _assert_states(_state(tpu), _state(reference), exact=False, label=f"resumed at world size {world}")
     print(f"rank {rank}: resumed at world size {world} ok", flush=True)

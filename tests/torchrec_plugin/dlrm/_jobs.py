@@ -6,7 +6,11 @@ Each function writes what the test checks as JSON to `out`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,18 +36,19 @@ def learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
 
 
 def _learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
-    """An uninterrupted run; the same run as a first half that checkpoints and a second half
-    resumed from it by a model built from other weights; then a save that dies midway."""
+    """An uninterrupted run that checkpoints half way; a model built from other weights resumed
+    from that checkpoint runs the second half; then a save that dies midway."""
     source = SyntheticCriteo(TINY, seed=0)
-    uninterrupted = train(build(TINY), source, _options(steps, mode))
     half = steps // 2
-    first = train(build(TINY), source, _options(half, mode, checkpoint_dir=directory))
+    kept = f"{directory}-half"
+    with _keeping_checkpoint_of(half, kept):
+        uninterrupted = train(build(TINY), source, _options(steps, mode, checkpoint_dir=directory,
+                                                            checkpoint_every=half))
     resumed = build(TINY, seed=1)
-    second = train(resumed, source, _options(steps, mode, checkpoint_dir=directory, resume=True))
+    second = train(resumed, source, _options(steps, mode, checkpoint_dir=kept, resume=True))
     result = {
         "uninterrupted": uninterrupted.losses,
         "auc": [e.auc for e in uninterrupted.evaluations],
-        "first": first.losses,
         "second": second.losses,
         "second_start": second.start_step,
         "second_auc": [e.auc for e in second.evaluations],
@@ -51,6 +56,24 @@ def _learn_and_resume(out: str, directory: str, steps: int, mode: str) -> None:
     }
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+@contextlib.contextmanager
+def _keeping_checkpoint_of(step: int, kept: str) -> Iterator[None]:
+    """Copy the checkpoint written after `step` to the directory `kept`, laid out as the job lays
+    it out (a version directory and the link to it): the job keeps only its newest checkpoint."""
+    save = checkpoint.save
+
+    def save_and_keep(training: DLRMTraining, saved_step: int, directory) -> None:
+        save(training, saved_step, directory)
+        if saved_step == step:
+            version = (Path(directory) / checkpoint.LINK_NAME).resolve()
+            shutil.copytree(version, Path(kept) / version.name)
+            (Path(kept) / checkpoint.LINK_NAME).symlink_to(version.name)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "save", save_and_keep)
+        yield
 
 
 def _failed_save_keeps_previous(trained: DLRMTraining, directory: str, step: int) -> dict:

@@ -1,6 +1,7 @@
 """The DLRM-DCN training job on `tpu` (tables sharded by the plugin's planner under DMP), tiny
-preset: it learns the synthetic teacher (held-out AUC), resuming from a checkpoint reproduces the
-uninterrupted loss curve exactly, a save that dies leaves the previous checkpoint usable (model,
+preset: over 200 steps it learns the synthetic teacher (held-out AUC), a model built from other
+weights and resumed from the checkpoint the run wrote half way reproduces the second half of its
+loss curve exactly, a save that dies leaves the previous checkpoint usable (model,
 fused and dense optimizer state restored bit for bit), and its first 20 losses match plain
 TorchRec on CPU.
 
@@ -20,7 +21,7 @@ import pytest
 
 import stand_in
 
-STEPS = 120
+STEPS = 200
 
 
 def _run_job(tmp_path: Path, function: str, *args) -> dict:
@@ -44,7 +45,6 @@ def test_learns_and_resumes_exactly(tmp_path, mode):
     assert len(uninterrupted) == STEPS
     assert result["auc"][-1] > 0.7, result["auc"]
     half = STEPS // 2
-    assert result["first"] == uninterrupted[:half]
     assert result["second_start"] == half
     assert result["second"] == uninterrupted[half:]
     assert result["second_auc"][-1] == result["auc"][-1]

@@ -150,12 +150,19 @@ def _borrowed(host: torch.Tensor) -> torch.Tensor:
     buffer would often find it still exported, and JAX would copy it instead of aliasing it
     (6-7 of 25 calls of a busy 64 MiB all-to-all, ~46 ms each); a pooled receive buffer would
     look busy and a fresh one be mapped. The owners stay with the transport until gloo is done
-    (`HostTransport._in_flight`)."""
-    nbytes = host.numel() * host.element_size()
-    if nbytes == 0:
+    (`HostTransport._in_flight`). Repeated calls lend the same memory (a claimed buffer stays
+    where it is, receive buffers are pooled), so the views are cached by address."""
+    if host.numel() == 0:
         return host
-    memory = (ctypes.c_char * nbytes).from_address(host.data_ptr())
-    return torch.frombuffer(memory, dtype=torch.uint8).view(host.dtype).view(host.shape)
+    return _borrowed_at(host.data_ptr(), host.dtype, tuple(host.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _borrowed_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over the memory at `address`, owning none of it."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = (ctypes.c_char * nbytes).from_address(address)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

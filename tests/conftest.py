@@ -24,6 +24,15 @@ else:
     os.environ.setdefault("TORCHTPU_LOCK_DIR", tempfile.mkdtemp(prefix="torchtpu-locks-"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files holding slow tests run first, each file's tests in their order. pytest-xdist hands
+    whole files to its workers in collection order (`--no-loadscope-reorder`, as `.ci/dev test`
+    runs it): were the few long multi-process files last -- xdist's own order, by number of
+    tests, puts them there -- one worker would still run them long after the other finished."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop the programs a test module compiled once it is done. One process runs many modules;

@@ -23,6 +23,8 @@ import stand_in
 
 STEPS = 200
 
+pytestmark = pytest.mark.slow  # each test trains in a process of its own for about two minutes
+
 
 def _run_job(tmp_path: Path, function: str, *args) -> dict:
     out = tmp_path / f"{function}.json"

@@ -2,7 +2,8 @@
 
 With N SparseCores in all, row r of a table lives on SparseCore (shard) `r mod N` at local row
 `r div N` ("MOD sharding"); vocabularies are padded to a multiple of 8N and dims to the chip's
-alignment. Tables that share a padded dim, optimizer and combiner may be *stacked*: each is
+alignment. Tables that share a padded dim, optimizer and combiner may be *stacked* (under an
+optimizer with row-wise slots also their own dim, which its row update averages over): each is
 placed in every shard at `row_offset_in_shard` and its shards are rotated by `shard_rotation`
 (k * rotation mod N for the k-th table) so that hot low ids of different tables land on different
 SparseCores. Features reading tables of one stack are looked up as one batch, each at its
@@ -139,8 +140,9 @@ class FeaturePlacement:
 class StackedTable:
     """One stacked (possibly single) table, the unit the kernels and buffers work on.
 
-    `tables` keep their own `TableSpec`s, per-table limits included; `max_ids_per_partition`
-    and `max_unique_ids_per_partition` are the limits of the whole stack (what one SparseCore may
+    `tables` keep their own `TableSpec`s, per-table limits included; `embedding_dim` is their
+    widest dim padded to the chip's alignment; `max_ids_per_partition` and
+    `max_unique_ids_per_partition` are the limits of the whole stack (what one SparseCore may
     send to one partition) and size its buffers.
     """
 
@@ -180,6 +182,12 @@ class StackedTable:
     @property
     def rows_per_shard(self) -> int:
         return self.vocabulary_size // self.num_sparsecores
+
+    @property
+    def logical_embedding_dim(self) -> int:
+        """Columns of the widest table's own rows (the rest of `embedding_dim` is padding); under
+        an optimizer with row-wise slots every table of the stack has this dim."""
+        return max(t.table.embedding_dim for t in self.tables)
 
     @property
     def combiner(self) -> Combiner:
@@ -317,6 +325,10 @@ def _check_feature_batch(feature: FeatureSpec, topology: Topology) -> None:
         )
 
 
+def _has_row_wise_slots(optimizer: OptimizerSpec) -> bool:
+    return any(slot.per_row for slot in optimizer.slots())
+
+
 def _build_stack(
     group: StackGroup,
     tables: Mapping[str, TableSpec],
@@ -337,6 +349,13 @@ def _build_stack(
             raise ValueError(
                 f"stack {name!r}: table {spec.name!r} uses optimizer {spec.optimizer!r} but "
                 f"{first.name!r} uses {first.optimizer!r}; a stack has one optimizer"
+            )
+        if spec.embedding_dim != first.embedding_dim and _has_row_wise_slots(first.optimizer):
+            raise ValueError(
+                f"stack {name!r}: table {spec.name!r} has dim {spec.embedding_dim} but {first.name!r} "
+                f"has {first.embedding_dim}; {type(first.optimizer).__name__}'s row-wise slot averages "
+                "each row's squared gradient over one dim per stack, so stack only tables of one dim "
+                "under it"
             )
     rotation = topology.sparsecores_per_device if group.rotation is None else group.rotation
     placements = []
@@ -374,24 +393,13 @@ def _build_stack(
         )
         row_offset += feature.num_rows
     alignment = topology.embedding_dim_alignment
-    width = max(padded_embedding_dim(s.embedding_dim, alignment) for s in specs)
-    narrow = [s.name for s in specs if s.embedding_dim != width]
-    optimizer = specs[0].optimizer
-    if narrow and any(slot.per_row for slot in optimizer.slots()):
-        raise ValueError(
-            f"stack {name!r}: table(s) {narrow} have fewer columns than the stack's {width} (dims are "
-            f"padded to a multiple of {alignment}), and {type(optimizer).__name__}'s row-wise slot "
-            "would average a row's squared gradient over the padded width, not the table's; give "
-            f"them a dim that is a multiple of {alignment} (and stack only tables of one dim), or "
-            "use an optimizer without row-wise slots"
-        )
     buffer = group.suggested_coo_buffer_size_per_device
     if buffer is None and all(s.suggested_coo_buffer_size_per_device for s in specs):
         buffer = sum(s.suggested_coo_buffer_size_per_device for s in specs)
     return StackedTable(
         name=name,
         num_sparsecores=n,
-        embedding_dim=width,
+        embedding_dim=max(padded_embedding_dim(s.embedding_dim, alignment) for s in specs),
         tables=tuple(placements),
         features=tuple(feature_placements),
         max_ids_per_partition=(
@@ -449,7 +457,8 @@ def auto_stack_groups(
     activation_memory_limit_bytes: int = DEFAULT_ACTIVATION_MEMORY_LIMIT_BYTES,
     rotation: int | None = None,
 ) -> tuple[StackGroup, ...]:
-    """Group tables that can share a stack: same padded dim, optimizer and combiner.
+    """Group tables that can share a stack: same padded dim, optimizer and combiner, and under an
+    optimizer with row-wise slots the same dim too.
 
     Tables are taken in order of first use. Each table's activation bytes per SparseCore are
     padded_dim * (its features' rows / N) * 4; a group is split first-fit so that no stack
@@ -465,9 +474,10 @@ def auto_stack_groups(
     by_kind: dict[tuple, list[str]] = {}
     for name, spec in tables.items():
         dim = padded_embedding_dim(spec.embedding_dim, alignment)
-        by_kind.setdefault((dim, optimizer_key(spec.optimizer), spec.combiner), []).append(name)
+        own_dim = spec.embedding_dim if _has_row_wise_slots(spec.optimizer) else None
+        by_kind.setdefault((dim, own_dim, optimizer_key(spec.optimizer), spec.combiner), []).append(name)
     groups: list[StackGroup] = []
-    for (dim, _, _), names in by_kind.items():
+    for (dim, *_), names in by_kind.items():
         bins: list[list[str]] = []
         used: list[int] = []
         for name in names:

@@ -6,16 +6,18 @@ Each spec is a frozen dataclass that declares
   wide or ``[1]`` wide, with an initial value), and
 * its **hyper-parameters** (the learning rate first), which the kernels receive as scalar *arrays*
   so that changing them never recompiles, and
-* one **row update**: ``(grad, row, slots, hyper-parameters) -> (row, slots)`` on the rows touched
-  by a batch. The fused gradient kernel (``sparsecore.kernels.grad_update``) is the one skeleton
-  that accumulates each touched row's gradient and calls this body; on a TPU the same body becomes
-  the computation that ``SparseDenseMatmulGradOpWithOptimizerUpdate`` applies per row.
+* one **row update**: ``(grad, row, slots, hyper-parameters, dim) -> (row, slots)`` on the rows
+  touched by a batch, ``dim`` being how many of the row's columns are the table's own (rows are
+  padded to the chip's alignment; a padded column holds zero gradient). The fused gradient kernel
+  (``sparsecore.kernels.grad_update``) is the one skeleton that accumulates each touched row's
+  gradient and calls this body; on a TPU the same body becomes the computation that
+  ``SparseDenseMatmulGradOpWithOptimizerUpdate`` applies per row.
 
 Update rules follow the standard definitions their references use:
 
 * ``SGD``, ``Adagrad``, ``RowWiseAdagrad``: FBGEMM's ``EXACT_SGD``, ``EXACT_ADAGRAD`` and
   ``EXACT_ROWWISE_ADAGRAD`` (epsilon added after the square root; row-wise accumulates the mean of
-  the squared gradient over the row; no weight decay).
+  the squared gradient over the table's own columns, not the padded row; no weight decay).
 * ``Adam``: ``torch.optim.SparseAdam`` (lazy: only touched rows and their moments move). Its bias
   correction uses a per-table step count: ``step`` is the 1-based number of updates applied to the
   table, the same for every row, exactly as SparseAdam counts ``optimizer.step()`` calls.
@@ -109,18 +111,25 @@ class OptimizerSpec:
         rows: Array,
         slots: Mapping[str, Array],
         hyperparameters: Mapping[str, Array],
+        *,
+        dim: int | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """Apply one update to touched rows.
 
         ``grad`` and ``rows`` are ``[U, D]`` (or ``[1, D]`` for one row), each slot is ``[U, D]``
         or ``[U, 1]``; ``hyperparameters`` maps every name of ``hyperparameters()`` plus
-        ``STEP`` to a float32 scalar (or an array broadcastable to a row). Returns the new rows
-        and slots.
+        ``STEP`` to a float32 scalar (or an array broadcastable to a row). ``dim`` is the
+        table's own width: the first ``dim`` of the D columns are the table's, the rest padding
+        with zero gradient (None: all D). Returns the new rows and slots.
         """
+        width = grad.shape[-1]
+        dim = width if dim is None else dim
+        if not 0 < dim <= width:
+            raise ValueError(f"{type(self).__name__}: dim must be in [1, {width}] (the row's columns), got {dim}")
         if self.clip_gradient is not None:
             limit = hyperparameters[CLIP]
             grad = jnp.clip(grad, -limit, limit)
-        return self._update(grad, rows, dict(slots), hyperparameters)
+        return self._update(grad, rows, dict(slots), hyperparameters, dim)
 
     def _update(
         self,
@@ -128,7 +137,10 @@ class OptimizerSpec:
         rows: Array,
         slots: dict[str, Array],
         hp: Mapping[str, Array],
+        dim: int,
     ) -> tuple[Array, dict[str, Array]]:
+        """The update rule; ``dim`` (the table's own columns of the row) matters only to a
+        reduction over the row: element-wise rules never mix padding into the table's columns."""
         raise NotImplementedError(f"{type(self).__name__} defines no row update")
 
 
@@ -138,14 +150,15 @@ class SGD(OptimizerSpec):
 
     NAME: ClassVar[str] = "sgd"
 
-    def _update(self, grad, rows, slots, hp):
+    def _update(self, grad, rows, slots, hp, dim):
         return rows - hp["learning_rate"] * grad, slots
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _AdagradFamily(OptimizerSpec):
     """``acc += squared(grad); row -= lr * grad / (sqrt(acc) + eps)``, with one accumulator per
-    element or (`PER_ROW`) per row holding the row's mean squared gradient."""
+    element or (`PER_ROW`) per row holding the row's mean squared gradient over the table's own
+    ``dim`` columns (padded columns hold zero gradient, so the sum over the row is the table's)."""
 
     HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("epsilon",)
     PER_ROW: ClassVar[bool] = False
@@ -159,8 +172,8 @@ class _AdagradFamily(OptimizerSpec):
     def slots(self) -> tuple[SlotSpec, ...]:
         return (SlotSpec("accumulator", per_row=self.PER_ROW, initial_value=self.initial_accumulator_value),)
 
-    def _update(self, grad, rows, slots, hp):
-        squared = jnp.mean(grad * grad, axis=-1, keepdims=True) if self.PER_ROW else grad * grad
+    def _update(self, grad, rows, slots, hp, dim):
+        squared = jnp.sum(grad * grad, axis=-1, keepdims=True) / dim if self.PER_ROW else grad * grad
         accumulator = slots["accumulator"] + squared
         rows = rows - hp["learning_rate"] * grad / (jnp.sqrt(accumulator) + hp["epsilon"])
         return rows, {"accumulator": accumulator}
@@ -177,7 +190,7 @@ class Adagrad(_AdagradFamily):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RowWiseAdagrad(_AdagradFamily):
     """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): one accumulator per row,
-    ``acc += mean(grad², over the row); row -= lr * grad / (sqrt(acc) + eps)``."""
+    ``acc += mean(grad², over the table's dim); row -= lr * grad / (sqrt(acc) + eps)``."""
 
     NAME: ClassVar[str] = "rowwise_adagrad"
     PER_ROW: ClassVar[bool] = True
@@ -209,7 +222,7 @@ class Adam(OptimizerSpec):
             SlotSpec("velocity", per_row=False, initial_value=0.0),
         )
 
-    def _update(self, grad, rows, slots, hp):
+    def _update(self, grad, rows, slots, hp, dim):
         beta1, beta2, step = hp["beta1"], hp["beta2"], hp[STEP]
         momentum = slots["momentum"] + (1 - beta1) * (grad - slots["momentum"])
         velocity = slots["velocity"] + (1 - beta2) * (grad * grad - slots["velocity"])
@@ -250,7 +263,7 @@ class AdagradMomentum(OptimizerSpec):
             SlotSpec("momentum", per_row=False, initial_value=0.0),
         )
 
-    def _update(self, grad, rows, slots, hp):
+    def _update(self, grad, rows, slots, hp, dim):
         beta2, momentum = hp["beta2"], hp["momentum"]
         squared = grad * grad
         accumulator = jnp.where(
@@ -311,7 +324,7 @@ class FTRL(OptimizerSpec):
             SlotSpec("linear", per_row=False, initial_value=0.0),
         )
 
-    def _update(self, grad, rows, slots, hp):
+    def _update(self, grad, rows, slots, hp, dim):
         lr, power = hp["learning_rate"], hp["learning_rate_power"]
         l1, l2, beta = hp["l1_regularization_strength"], hp["l2_regularization_strength"], hp["beta"]
         accumulator = slots["accumulator"] + grad * grad
@@ -355,7 +368,7 @@ class LaProp(OptimizerSpec):
             SlotSpec("nu", per_row=False, initial_value=0.0),
         )
 
-    def _update(self, grad, rows, slots, hp):
+    def _update(self, grad, rows, slots, hp, dim):
         b1, decay = hp["b1"], hp["decay_rate"]
         nu = decay * slots["nu"] + (1 - decay) * (grad * grad + hp["epsilon"])
         mu = b1 * slots["mu"] + jnp.sqrt(1 - b1 * b1) * (grad / jnp.sqrt(nu))

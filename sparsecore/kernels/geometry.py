@@ -45,6 +45,8 @@ block: XLA:CPU runs independent operations concurrently, one loop per core of th
 class KernelGeometry:
     """Shapes of one stacked table on a mesh of `num_devices` devices.
 
+    `embedding_dim` is the stack's padded width, `logical_embedding_dim` the columns of its
+    widest table's own rows (what a row-wise optimizer slot averages over).
     `max_ids_per_partition` / `max_unique_ids_per_partition` bound the entries / distinct rows
     one SparseCore sends to one partition (the host enforces them), `unique_rows_per_partition`
     (U) the side-car's distinct rows per (device, partition). `entry_chunk`, `row_chunk` and
@@ -60,6 +62,7 @@ class KernelGeometry:
     batch_size_per_sparsecore: int
     rows_per_shard: int
     embedding_dim: int
+    logical_embedding_dim: int
     max_ids_per_partition: int
     max_unique_ids_per_partition: int
     unique_rows_per_partition: int
@@ -76,6 +79,11 @@ class KernelGeometry:
             raise ValueError(
                 f"KernelGeometry {self.name!r}: coo_buffer_size {self.coo_buffer_size} is not a "
                 f"multiple of 8 x {self.sparsecores_per_device} SparseCores"
+            )
+        if self.logical_embedding_dim > self.embedding_dim:
+            raise ValueError(
+                f"KernelGeometry {self.name!r}: logical_embedding_dim {self.logical_embedding_dim} is wider "
+                f"than the {self.embedding_dim} columns of the rows"
             )
         if self.lanes & (self.lanes - 1):
             raise ValueError(f"KernelGeometry {self.name!r}: lanes must be a power of two, got {self.lanes}")
@@ -105,6 +113,7 @@ class KernelGeometry:
             batch_size_per_sparsecore=sizes.batch_size_per_sparsecore,
             rows_per_shard=stack.rows_per_shard,
             embedding_dim=stack.embedding_dim,
+            logical_embedding_dim=stack.logical_embedding_dim,
             max_ids_per_partition=stack.max_ids_per_partition,
             max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
             unique_rows_per_partition=sizes.unique_rows_per_partition,

@@ -10,9 +10,10 @@ Per device (inside `shard_map`), for the rows of its S shards:
    looked up are merged by a sort), so every touched row has exactly one workspace slot;
 3. accumulate each entry's `gain * activation_grad` into its row's slot, once per row;
 4. walk the touched rows in chunks: read their slots' gradients (contiguous workspace rows),
-   gather row and optimizer slots, apply the optimizer body (`OptimizerSpec.update_rows`),
-   scatter them back. Rows not touched, and their slots, are not read or written, so they stay
-   bit-for-bit unchanged.
+   gather row and optimizer slots, apply the optimizer body (`OptimizerSpec.update_rows`, told
+   the tables' own width so a row-wise slot averages over it, not the padding), scatter them
+   back. Rows not touched, and their slots, are not read or written, so they stay bit-for-bit
+   unchanged.
 
 The table, the slots and the gradient workspace are donated by the caller; this program has no
 gather of the table outside the update loop, which is what keeps XLA from copying the table. Of
@@ -161,7 +162,9 @@ def apply_optimizer(
         row = jnp.where(live, lax.dynamic_slice(rows, (first,), (chunk,)), geometry.rows_per_device)
         grad = lax.dynamic_slice(workspace, (first, jnp.zeros_like(first)), (chunk, workspace.shape[1]))
         current = {name: gather_rows(value, row, fill=True) for name, value in slots.items()}
-        new_rows, new_slots = optimizer.update_rows(grad, gather_rows(table, row, fill=True), current, hyperparameters)
+        new_rows, new_slots = optimizer.update_rows(
+            grad, gather_rows(table, row, fill=True), current, hyperparameters, dim=geometry.logical_embedding_dim
+        )
         table = scatter_rows(table, row, new_rows, add=False, unique=True)
         slots = {name: scatter_rows(slots[name], row, new_slots[name], add=False, unique=True) for name in slots}
         return table, slots

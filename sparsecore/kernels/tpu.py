@@ -152,9 +152,12 @@ def _update_abstract_eval(
     return [_like(table, table.shape) for _ in (table, *slots)]
 
 
-def _optimizer_computation(ctx, name: str, optimizer: OptimizerSpec, slot_names, hyper_names, dim: int) -> str:
+def _optimizer_computation(
+    ctx, name: str, optimizer: OptimizerSpec, slot_names, hyper_names, dim: int, logical_dim: int
+) -> str:
     """Emit the per-row optimizer `(grad, row, slots..., hyper...) -> tuple(row, slots...)` on
-    `[1, dim]` values as a private function of the module; returns its symbol name."""
+    `[1, dim]` values (the table's own `logical_dim` columns first) as a private function of the
+    module; returns its symbol name."""
     row = jax.core.ShapedArray((1, dim), jnp.float32)
     row_type = mlir.aval_to_ir_type(ctx.module_context, row)
     arity = 2 + len(slot_names) + len(hyper_names)
@@ -166,7 +169,7 @@ def _optimizer_computation(ctx, name: str, optimizer: OptimizerSpec, slot_names,
     def body(grad, current, *rest):
         slots = dict(zip(slot_names, rest[: len(slot_names)]))
         hyper = dict(zip(hyper_names, rest[len(slot_names) :]))
-        new_row, new_slots = optimizer.update_rows(grad, current, slots, hyper)
+        new_row, new_slots = optimizer.update_rows(grad, current, slots, hyper, dim=logical_dim)
         return [new_row, *(new_slots[s] for s in slot_names)]
 
     with ir.InsertionPoint(block):
@@ -182,7 +185,13 @@ def _update_lowering(
 ):
     hyper_names = (*optimizer.hyperparameters(), STEP)
     computation = _optimizer_computation(
-        ctx, f"{geometry.name}_optimizer_update", optimizer, slot_names, hyper_names, geometry.embedding_dim
+        ctx,
+        f"{geometry.name}_optimizer_update",
+        optimizer,
+        slot_names,
+        hyper_names,
+        geometry.embedding_dim,
+        geometry.logical_embedding_dim,
     )
     result = ir.TupleType.get_tuple([mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out])
     config = backend_config(geometry, num_slot_variables=len(slot_names), num_hyperparameters=len(hyper_names))

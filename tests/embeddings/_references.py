@@ -198,10 +198,11 @@ def bag_reference(optimizer: str, tables: Sequence[EmbeddingBagConfig], weights:
 
 def check_bag_training(
     module, run, tables, optimizer: str, steps: int, batch_size: int, rows: slice, seed: int
-) -> None:
+) -> FbgemmTraining | SparseAdamTraining:
     """Train `run` (the module, or it compiled) on its `rows` of each global batch and the fused
     reference on the whole batch, from the same weights: outputs equal at every step and tables
-    equal at the end, within 1e-5; every table moved and none got a `.grad`."""
+    equal at the end, within 1e-5; every table moved and none got a `.grad`. Returns the trained
+    reference."""
     initial = {key.split(".")[1]: value for key, value in module.state_dict().items()}
     reference = bag_reference(optimizer, tables, initial)
     rng = np.random.default_rng(seed)
@@ -219,3 +220,4 @@ def check_bag_training(
         torch.testing.assert_close(trained[name], expected, rtol=0, atol=1e-5, msg=name)
         assert not torch.equal(trained[name], initial[name]), name
     assert all(param.grad is None for param in module.parameters())
+    return reference

@@ -22,7 +22,7 @@ TOPOLOGY = Topology.cpu(2, 2)
 
 def build(optimizer=None, initializer=None):
     """Tables a (dim 8) and b stacked; b has dim 6 (padded to 8) unless the optimizer keeps a
-    row-wise slot, which needs unpadded rows (then 8)."""
+    row-wise slot, which averages over one dim per stack (then 8)."""
     optimizer = optimizer or opt.SGD(learning_rate=0.1)
     b_dim = 8 if any(slot.per_row for slot in optimizer.slots()) else 6
     tables = [

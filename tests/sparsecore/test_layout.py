@@ -17,6 +17,7 @@ from sparsecore.layout import (
     auto_stack_tables,
     flatten_features,
     physical_row_ids,
+    round_up,
     shard_and_local_row,
     shard_table,
     stack_and_shard,
@@ -118,17 +119,25 @@ def test_stack_and_shard_checks_values():
         unshard_and_unstack(stack, np.zeros((4, 15, 8)))
 
 
-def test_a_row_wise_optimizer_needs_unpadded_rows():
-    """SparseCore pads a table's rows to the stack's width; a row-wise slot would average a
-    row's squared gradient over the padding (FBGEMM averages over the table's own dim)."""
+def test_a_row_wise_optimizer_stacks_tables_of_one_dim_padded_or_not():
+    """A row-wise slot averages over the table's own dim (as FBGEMM's), so a table narrower than
+    the chip's alignment stacks padded, its own dim kept as the stack's logical dim; tables of
+    different dims cannot share its stack (under Adagrad they can), and auto-stacking keeps them
+    apart."""
     topology = Topology.cpu(1, 4)
-    for dims, groups in (((4,), ()), ((8, 16), [StackGroup(("a", "b"))])):
-        specs = [TableSpec(name, 32, dim, optimizer=RowWiseAdagrad()) for name, dim in zip("ab", dims)]
-        features = [FeatureSpec(f"f{s.name}", s, 4) for s in specs]
-        with pytest.raises(ValueError, match=r"table\(s\) \['a'\] have fewer columns .*row-wise slot"):
-            stack_tables(features, topology, groups)
+    for dim in (4, 12):
+        (stack,) = stack_tables([FeatureSpec("f", TableSpec("a", 32, dim, optimizer=RowWiseAdagrad()), 4)], topology)
+        assert (stack.embedding_dim, stack.logical_embedding_dim) == (round_up(dim, 8), dim)
+    specs = [TableSpec(name, 32, dim, optimizer=RowWiseAdagrad()) for name, dim in zip("abc", (12, 16, 12))]
+    features = [FeatureSpec(f"f{s.name}", s, 4) for s in specs]
+    with pytest.raises(ValueError, match=r"stack 'a_b': table 'b' has dim 16 but 'a' has 12; RowWiseAdagrad's row-wise"):
+        stack_tables(features, topology, [StackGroup(("a", "b"))])
+    assert [g.tables for g in auto_stack_groups(features, topology)] == [("a", "c"), ("b",)]
+    (stack, _) = auto_stack_tables(features, topology)
+    assert (stack.embedding_dim, stack.logical_embedding_dim) == (16, 12)
     specs = [TableSpec(name, 32, dim, optimizer=Adagrad()) for name, dim in zip("ab", (4, 16))]
-    stack_tables([FeatureSpec(f"f{s.name}", s, 4) for s in specs], topology, [StackGroup(("a", "b"))])
+    (stack,) = stack_tables([FeatureSpec(f"f{s.name}", s, 4) for s in specs], topology, [StackGroup(("a", "b"))])
+    assert (stack.embedding_dim, stack.logical_embedding_dim) == (16, 16)
 
 
 def test_stacking_offsets_rotation_and_feature_placement():

@@ -5,8 +5,9 @@ Forward: `torch.nn.EmbeddingBag` (sum, mean, weighted sum) and a NumPy model of 
 gradients: FBGEMM's CPU table-batched embedding with fused EXACT_SGD / EXACT_ADAGRAD /
 EXACT_ROWWISE_ADAGRAD, `torch.optim.SparseAdam` over `nn.EmbeddingBag(sparse=True)` for Adam, and
 the NumPy models of `test_optimizers.py` for AdagradMomentum, FTRL, LaProp and clipping (with a
-sequence feature training alongside pooled ones). Tables and every optimizer slot must agree
-within 1e-5; rows no batch touched must not change at all.
+sequence feature training alongside pooled ones); row-wise Adagrad also on tables of 12 and 4
+columns, padded to 16 and 8 in their stacks, against both. Tables and every optimizer slot must
+agree within 1e-5; rows no batch touched must not change at all.
 """
 from __future__ import annotations
 
@@ -213,10 +214,9 @@ FBGEMM_OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "fbgemm_name, spec, slot_names, devices, combiner", FBGEMM_OPTIMIZERS, ids=[o[0] for o in FBGEMM_OPTIMIZERS]
-)
-def test_training_matches_fbgemm_tbe(fbgemm_name, spec, slot_names, devices, combiner):
+def fbgemm_training(fbgemm_name: str, spec, combiner: str, tables: list[TableSpec], features: list[FeatureSpec], initial, history):
+    """FBGEMM's CPU TBE over `tables` (one feature each, in order) from `initial`, trained on
+    `history`: its tables and optimizer states, per table."""
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -225,11 +225,6 @@ def test_training_matches_fbgemm_tbe(fbgemm_name, spec, slot_names, devices, com
         EmbeddingLocation,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
-
-    tables = [TableSpec("a", 50, 8, combiner=combiner, optimizer=spec), TableSpec("b", 300, 8, combiner=combiner, optimizer=spec)]
-    features = [FeatureSpec("fa", tables[0], 16), FeatureSpec("fb", tables[1], 16)]
-    setup = make_setup(tables, features, devices=devices)
-    initial, history, got_tables, got_slots = train(setup, seed=10 + devices)
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(t.vocabulary_size, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
@@ -249,15 +244,50 @@ def test_training_matches_fbgemm_tbe(fbgemm_name, spec, slot_names, devices, com
         values = torch.from_numpy(np.concatenate([x.values for x in ids]).astype(np.int64))
         out = tbe(values, offsets)
         out.backward(torch.from_numpy(np.concatenate([grads[f.name] for f in features], axis=1)))
+    states = tbe.get_optimizer_state() if fbgemm_name != "EXACT_SGD" else [{} for _ in tables]
+    return [w.detach().numpy() for w in tbe.split_embedding_weights()], [{k: v.numpy() for k, v in st.items()} for st in states]
 
-    want_tables = [w.detach().numpy() for w in tbe.split_embedding_weights()]
-    want_states = tbe.get_optimizer_state() if slot_names else [{} for _ in tables]
+
+def assert_matches_fbgemm(fbgemm_name, spec, slot_names, combiner, setup: Setup, tables: list[TableSpec], seed: int):
+    """Train `setup` STEPS steps and FBGEMM's TBE on the same batches: tables and every slot
+    within TOLERANCE."""
+    initial, history, got_tables, got_slots = train(setup, seed=seed)
+    want_tables, want_states = fbgemm_training(fbgemm_name, spec, combiner, tables, setup.features, initial, history)
     for table, want, state in zip(tables, want_tables, want_states):
         np.testing.assert_allclose(got_tables[table.name], want, rtol=TOLERANCE, atol=TOLERANCE)
         for ours, theirs in slot_names.items():
             np.testing.assert_allclose(
-                got_slots[table.name][ours].reshape(state[theirs].shape), state[theirs].numpy(), rtol=TOLERANCE, atol=TOLERANCE
+                got_slots[table.name][ours].reshape(state[theirs].shape), state[theirs], rtol=TOLERANCE, atol=TOLERANCE
             )
+
+
+@pytest.mark.parametrize(
+    "fbgemm_name, spec, slot_names, devices, combiner", FBGEMM_OPTIMIZERS, ids=[o[0] for o in FBGEMM_OPTIMIZERS]
+)
+def test_training_matches_fbgemm_tbe(fbgemm_name, spec, slot_names, devices, combiner):
+    tables = [TableSpec("a", 50, 8, combiner=combiner, optimizer=spec), TableSpec("b", 300, 8, combiner=combiner, optimizer=spec)]
+    features = [FeatureSpec("fa", tables[0], 16), FeatureSpec("fb", tables[1], 16)]
+    assert_matches_fbgemm(fbgemm_name, spec, slot_names, combiner, make_setup(tables, features, devices=devices), tables, 10 + devices)
+
+
+ROW_WISE = opt.RowWiseAdagrad(learning_rate=0.2, epsilon=1e-6)
+
+
+def narrow_setup(spec) -> tuple[Setup, list[TableSpec]]:
+    """Tables of 12 (a, b: stacked, padded to 16) and 4 (c: padded to 8) columns on 2 devices."""
+    tables = [TableSpec(name, vocab, dim, optimizer=spec) for name, vocab, dim in (("a", 50, 12), ("b", 300, 12), ("c", 80, 4))]
+    features = [FeatureSpec(f"f{t.name}", t, 16) for t in tables]
+    topology = Topology.cpu(2, 2)
+    stacks = stack_tables(features, topology, [StackGroup(("a", "b"))])
+    assert [(s.embedding_dim, s.logical_embedding_dim) for s in stacks] == [(16, 12), (8, 4)]
+    return Setup(SparseCoreEmbedding(stacks, topology, entry_chunk=64, row_chunk=32), features, topology), tables
+
+
+def test_row_wise_adagrad_on_tables_narrower_than_their_padding_matches_fbgemm_tbe():
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD averages a row's squared gradient over the table's own dim;
+    so does SparseCore's, whatever the padding of its stack."""
+    setup, tables = narrow_setup(ROW_WISE)
+    assert_matches_fbgemm("EXACT_ROWWISE_ADAGRAD", ROW_WISE, {"accumulator": "sum"}, "sum", setup, tables, seed=40)
 
 
 def test_adam_matches_torch_sparse_adam():
@@ -328,6 +358,16 @@ NUMPY_OPTIMIZERS = [
     opt.LaProp(learning_rate=0.02, b1=0.8, decay_rate=0.9, epsilon=1e-10),
     opt.RowWiseAdagrad(learning_rate=0.2, clip_gradient=0.4),
 ]
+
+
+@pytest.mark.parametrize("spec", [ROW_WISE, opt.RowWiseAdagrad(learning_rate=0.2, clip_gradient=0.4)], ids=["plain", "clipped"])
+def test_row_wise_adagrad_on_tables_narrower_than_their_padding_matches_numpy_model(spec):
+    setup, _ = narrow_setup(spec)
+    initial, history, got_tables, got_slots = train(setup, seed=41)
+    want_tables, want_slots = numpy_training(spec, setup, initial, history)
+    for name in want_tables:
+        np.testing.assert_allclose(got_tables[name], want_tables[name], rtol=TOLERANCE, atol=TOLERANCE)
+        np.testing.assert_allclose(got_slots[name]["accumulator"], want_slots[name]["accumulator"], rtol=TOLERANCE, atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("spec", NUMPY_OPTIMIZERS, ids=lambda s: type(s).__name__ + ("_clipped" if s.clip_gradient else ""))

@@ -114,31 +114,49 @@ def _initial_slots(spec, rows, dim, rng):
     return slots
 
 
+@pytest.mark.parametrize("dim, padded", [(8, 8), (12, 16), (4, 8)], ids=["dim8", "dim12_in16", "dim4_in8"])
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: repr(s)[:60])
-def test_update_rows_matches_numpy_model(spec):
+def test_update_rows_matches_numpy_model(spec, dim, padded):
+    """The update of `dim`-wide rows padded to `padded` columns (zero rows, zero gradient, slots
+    at their initial value there), told `dim`, equals the model's on the unpadded rows: a
+    row-wise slot averages over the table's dim, as FBGEMM's does; the padding stays zero."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
-    rows, dim = 12, 8
+    rows = 12
     grad = rng.normal(size=(rows, dim))
     row = rng.normal(size=(rows, dim))
     slots = _initial_slots(spec, rows, dim, rng)
     step = 3.0
     hyper = {name: jnp.float32(value) for name, value in spec.hyperparameters().items()}
     hyper[opt.STEP] = jnp.float32(step)
+    pad = lambda x, value=0.0: np.pad(x, ((0, 0), (0, padded - dim)), constant_values=value)  # noqa: E731
+    padded_slots = {s.name: slots[s.name] if s.per_row else pad(slots[s.name], s.initial_value) for s in spec.slots()}
     got_row, got_slots = spec.update_rows(
-        jnp.asarray(grad, jnp.float32),
-        jnp.asarray(row, jnp.float32),
-        {k: jnp.asarray(v, jnp.float32) for k, v in slots.items()},
+        jnp.asarray(pad(grad), jnp.float32),
+        jnp.asarray(pad(row), jnp.float32),
+        {k: jnp.asarray(v, jnp.float32) for k, v in padded_slots.items()},
         hyper,
+        dim=dim,
     )
     # The model runs in float64 on the float32-rounded inputs the kernel saw.
     f32 = lambda x: np.float64(np.float32(x))  # noqa: E731
     want_row, want_slots = numpy_update(spec, f32(grad), f32(row), {k: f32(v) for k, v in slots.items()}, step)
-    np.testing.assert_allclose(np.asarray(got_row), want_row, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got_row)[:, :dim], want_row, rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got_row)[:, dim:], 0.0)
     assert set(got_slots) == {s.name for s in spec.slots()}
     for name, value in want_slots.items():
-        np.testing.assert_allclose(np.asarray(got_slots[name]), value, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(got_slots[name])[:, :dim], value, rtol=2e-5, atol=2e-6)
+
+
+def test_update_rows_rejects_a_dim_wider_than_the_rows():
+    import jax.numpy as jnp
+
+    spec = opt.RowWiseAdagrad()
+    grad = jnp.zeros((2, 8), jnp.float32)
+    hyper = {k: jnp.float32(v) for k, v in spec.hyperparameters().items()}
+    with pytest.raises(ValueError, match=r"RowWiseAdagrad: dim must be in \[1, 8\].*got 9"):
+        spec.update_rows(grad, grad, {"accumulator": jnp.zeros((2, 1), jnp.float32)}, hyper, dim=9)
 
 
 def test_clipping_is_elementwise_on_the_accumulated_gradient():

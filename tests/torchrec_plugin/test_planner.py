@@ -2,13 +2,14 @@
 Adagrad): plans for v5p x8 and v6e x8 fit each device's HBM, differ where the chips differ, and a
 table larger than a device's HBM gets an error naming it. Column-wise shards are never narrower
 than, nor a fraction of, the chip's padded width, whatever `min_partition` allows; a table narrower
-than that width gets no SparseCore option under a row-wise optimizer (it would be refused), and
-an error naming it when nothing else is allowed."""
+than that width keeps its SparseCore options under a row-wise optimizer (no data-parallel
+fallback to the dense optimizer)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -113,8 +114,8 @@ def test_a_table_larger_than_hbm_is_named_with_the_overflow():
     ("v6e", 256, None, 128),
 ])
 def test_column_wise_shards_are_multiples_of_the_padded_width(chip, dim, min_partition, width):
-    """SparseCore pads a shard's columns to the chip's alignment and refuses a row-wise optimizer
-    on a narrower shard; TorchRec's planner cuts column-wise tables into multiples of 4 columns."""
+    """SparseCore pads a shard's columns to the chip's alignment, so a narrower shard wastes the
+    padding; TorchRec's planner cuts column-wise tables into multiples of 4 columns."""
     constraints = {"t0": ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value],
                                               min_partition=min_partition)}
     topology = torchrec_plugin.topology(chip, world_size=2)
@@ -138,32 +139,34 @@ def test_topology_presets():
 
 
 def _narrow(optimizer: type[torch.optim.Optimizer]) -> EmbeddingBagCollection:
-    """t0 12 columns wide (padded to 16 on v5p), t1 16, under `optimizer`."""
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000, embedding_dim=dim, feature_names=[f"f{i}"])
+    """t0 12 columns wide (padded to 16 on v5p), t1 16, of 100k rows (enough that the planner
+    prefers SparseCore to data-parallel, which it picks for 1000 rows), under `optimizer`."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=100_000, embedding_dim=dim, feature_names=[f"f{i}"])
               for i, dim in enumerate((12, 16))]
     ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.01})
     return ebc
 
 
-def test_a_narrow_table_under_a_row_wise_optimizer_gets_no_sparsecore_option():
-    """SparseCore refuses a row-wise optimizer on a table narrower than its padded width, so the
-    planner offers such a table only what shards: data-parallel (t1, 16 wide, keeps every type;
-    under Adagrad t0 does too); with data-parallel ruled out its error names the table and why."""
+def test_a_narrow_table_under_a_row_wise_optimizer_keeps_its_sparsecore_options():
+    """SparseCore's row-wise slot averages over a table's own dim, not its padded width, so a
+    12-wide table (16 padded on v5p) under RowWiseAdagrad is offered every SparseCore sharding,
+    as under Adagrad, and planned on SparseCore (as the 16-wide t1), not data-parallel with the
+    dense optimizer; with only table- and column-wise allowed it gets one of them."""
     topology = torchrec_plugin.topology("v5p", world_size=2)
     planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH)
     plan = planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
-    assert plan.plan[""]["t0"].sharding_type == ShardingType.DATA_PARALLEL.value
-    options = planner._enumerator.enumerate(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
-    types = {name: {o.sharding_type for o in options if o.name == name} for name in ("t0", "t1")}
-    assert types["t0"] == {ShardingType.DATA_PARALLEL.value}
-    assert ShardingType.COLUMN_WISE.value in types["t1"] and ShardingType.TABLE_WISE.value in types["t1"]
-    options = planner._enumerator.enumerate(_narrow(torch.optim.Adagrad), torchrec_plugin.sharders())
-    assert ShardingType.TABLE_WISE.value in {o.sharding_type for o in options if o.name == "t0"}
+    for table in ("t0", "t1"):
+        assert plan.plan[""][table].sharding_type != ShardingType.DATA_PARALLEL.value
+        assert plan.plan[""][table].compute_kernel == EmbeddingComputeKernel.FUSED.value
+    for optimizer in (RowWiseAdagrad, torch.optim.Adagrad):
+        options = planner._enumerator.enumerate(_narrow(optimizer), torchrec_plugin.sharders())
+        types = {o.sharding_type for o in options if o.name == "t0"}
+        assert {ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value,
+                ShardingType.ROW_WISE.value} <= types, (optimizer, types)
 
     constraints = {"t0": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value,
                                                               ShardingType.COLUMN_WISE.value])}
     planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH, constraints=constraints)
-    with pytest.raises(PlannerError, match=r"table '.*t0' has no sharding option SparseCore accepts "
-                                           r"\(column_wise, table_wise: shards of \[12\] columns .* RowWiseAdagrad's row-wise"):
-        planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
+    plan = planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
+    assert plan.plan[""]["t0"].sharding_type in {ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value}

@@ -66,9 +66,8 @@ CPU, TPU = torch.device("cpu"), torch.device("tpu", 0)
 
 def tables(optimizers: tuple[str, ...] = tuple(OPTIMIZERS)) -> list[EmbeddingBagConfig]:
     """One table `<type>_<optimizer>` per sharding type (`SHARDING_TYPES`) and optimizer, of
-    various sizes; the column-wise ones 16 wide, cut into shards of 8 columns. Narrower shards
-    are padded to 8 columns on SparseCore, where a row-wise optimizer is refused (its slot would
-    average over the padding; `sparsecore.layout`)."""
+    various sizes; the column-wise ones 12 wide, cut into shards of 4 columns, which SparseCore
+    pads to 8 (the row-wise slot still averages over the shard's own 4, as FBGEMM's does)."""
     out = []
     for i, kind in enumerate(SHARDING_TYPES):
         for j, optimizer in enumerate(OPTIMIZERS):
@@ -76,7 +75,7 @@ def tables(optimizers: tuple[str, ...] = tuple(OPTIMIZERS)) -> list[EmbeddingBag
                 continue
             name = f"{kind}_{optimizer}"
             out.append(EmbeddingBagConfig(
-                name=name, num_embeddings=40 + 8 * (3 * i + j), embedding_dim=16 if kind == "cw" or (i + j) % 2 else 8,
+                name=name, num_embeddings=40 + 8 * (3 * i + j), embedding_dim=12 if kind == "cw" else 16 if (i + j) % 2 else 8,
                 feature_names=[f"f_{name}"], pooling=PoolingType.SUM,
             ))
     return out
@@ -89,8 +88,8 @@ def _optimizer(table: str) -> str:
 
 def plan(world: int) -> dict:
     """Every table's sharding generator, by the type its name gives: table-wise tables and
-    column-wise shards on various ranks (at two ranks one column-wise table has its second shard
-    on the lower rank), table-row-wise tables on every host in turn (at four ranks the other
+    column-wise shards on various ranks (at two ranks a rank holds two shards of a column-wise
+    table), table-row-wise tables on every host in turn (at four ranks the other
     host's ranks send them their ids)."""
     hosts = world // LOCAL_WORLD_SIZE
     generators = {}
@@ -101,7 +100,7 @@ def plan(world: int) -> dict:
         elif kind == "rw":
             generators[t.name] = row_wise()
         elif kind == "cw":
-            generators[t.name] = column_wise(ranks=[(j + k) % world for k in range(t.embedding_dim // 8)])
+            generators[t.name] = column_wise(ranks=[(j + k) % world for k in range(t.embedding_dim // 4)])
         elif kind == "twrw":
             generators[t.name] = table_row_wise(host_index=j % hosts)
         else:

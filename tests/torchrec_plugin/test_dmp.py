@@ -3,7 +3,7 @@ CPU over gloo (FBGEMM's CPU kernels), at two and at four ranks (hosts of two ran
 `_dmp_workers.LOCAL_WORLD_SIZE`).
 
 One EmbeddingBagCollection holds a table for every sharding type (table-wise, row-wise,
-column-wise in shards of 8 columns, table-row-wise, data-parallel) and every fused optimizer (SGD,
+column-wise in shards of 4 columns, table-row-wise, data-parallel) and every fused optimizer (SGD,
 Adagrad, row-wise Adagrad; each table's own through `apply_optimizer_in_backward`), all sharded
 by one plan; at four ranks table-row-wise tables sit on both hosts. From the same initial weights
 and batches, forward outputs at each of 10 steps, then the tables and the fused optimizers' state

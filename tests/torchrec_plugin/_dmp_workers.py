@@ -74,10 +74,9 @@ def tables(optimizers: tuple[str, ...] = tuple(OPTIMIZERS)) -> list[EmbeddingBag
             if optimizer not in optimizers:
                 continue
             name = f"{kind}_{optimizer}"
-            out.append(EmbeddingBagConfig(
-                name=name, num_embeddings=40 + 8 * (3 * i + j), embedding_dim=12 if kind == "cw" else 16 if (i + j) % 2 else 8,
-                feature_names=[f"f_{name}"], pooling=PoolingType.SUM,
-            ))
+            dim = 12 if kind == "cw" else 16 if (i + j) % 2 else 8
+            out.append(EmbeddingBagConfig(name=name, num_embeddings=40 + 8 * (3 * i + j), embedding_dim=dim,
+                                          feature_names=[f"f_{name}"], pooling=PoolingType.SUM))
     return out
 
 

@@ -36,7 +36,7 @@ from sparsecore.kernels import KernelGeometry, LocalKernels, local_kernels, work
 from sparsecore.layout import StackedTable, physical_row_ids, stack_and_shard, unshard_and_unstack
 from sparsecore.optimizers import STEP
 from sparsecore.preprocess import PackedBatch, buffer_sizes
-from sparsecore.spec import TableSpec
+from sparsecore.spec import NamedInitializer, TableSpec
 from sparsecore.topology import Topology
 
 Array = jax.Array
@@ -109,7 +109,7 @@ class SparseCoreEmbedding:
         self.update_program = jax.jit(self.update_fn, donate_argnums=(0, 1, 2))
         """`update_fn` jitted with tables, slots and workspaces donated: what `update` runs."""
         self._workspaces: dict[str, Array] | None = None
-        self._table_initializers: dict[str, Callable[[Array, Array, Array], Array]] = {}
+        self._table_initializers: dict[tuple, Callable[[Array, Array, Array], Array]] = {}
         self._scalars: dict[float, Array] = {}
 
     # ----------------------------------------------------------------------------- state
@@ -117,29 +117,39 @@ class SparseCoreEmbedding:
     def init(self, key: Array) -> tuple[Tables, Slots]:
         """Tables from each `TableSpec.initializer` (padding rows zero) and fresh optimizer
         state, created directly sharded on the mesh. Tables are written one at a time into their
-        donated stack, so the peak memory is one stack plus one table's initial values."""
+        donated stack, so the peak memory is one stack plus one table's initial values (drawn
+        for up to an eighth more rows, see `_draw_rows`)."""
         tables = {}
         index = 0
         for name, stack in self.stacks.items():
             shape = (stack.num_sparsecores * stack.rows_per_shard, stack.embedding_dim)
             table = jax.jit(functools.partial(jnp.zeros, shape, jnp.float32), out_shardings=self._sharded)()
             for placement in stack.tables:
-                rows = jnp.asarray(physical_row_ids(stack, placement.table.name), jnp.int32)
-                table = self._table_initializer(placement.table)(table, jax.random.fold_in(key, index), rows)
+                spec = placement.table
+                rows = physical_row_ids(stack, spec.name)
+                draw_rows = _draw_rows(spec)
+                # Rows past the table's own are written nowhere: each gets its own index past
+                # the stack's end, which the scatter drops.
+                padding = shape[0] + np.arange(draw_rows - len(rows))
+                rows = jnp.asarray(np.concatenate([rows, padding]), jnp.int32)
+                write = self._table_initializer(spec.initializer, draw_rows, spec.embedding_dim)
+                table = write(table, jax.random.fold_in(key, index), rows)
                 index += 1
             tables[name] = table
         return tables, self.init_slots()
 
-    def _table_initializer(self, spec: TableSpec) -> Callable[[Array, Array, Array], Array]:
-        """`(stack, key, physical rows) -> stack` with the table's initial values in its rows."""
-        if spec.name not in self._table_initializers:
+    def _table_initializer(self, initializer: Callable, rows: int, dim: int) -> Callable[[Array, Array, Array], Array]:
+        """`(stack, key, physical rows) -> stack` writing `initializer`'s values for `rows` rows
+        of `dim` columns at those rows; one program per (initializer, rows, dim, stack shape)."""
+        cache_key = (initializer, rows, dim)
+        if cache_key not in self._table_initializers:
 
-            def write(stack: Array, key: Array, rows: Array) -> Array:
-                values = spec.initializer(key, (spec.vocabulary_size, spec.embedding_dim), jnp.float32)
-                return stack.at[rows, : spec.embedding_dim].set(values, unique_indices=True)
+            def write(stack: Array, key: Array, physical_rows: Array) -> Array:
+                values = initializer(key, (rows, dim), jnp.float32)
+                return stack.at[physical_rows, :dim].set(values, mode="drop", unique_indices=True)
 
-            self._table_initializers[spec.name] = jax.jit(write, donate_argnums=0, out_shardings=self._sharded)
-        return self._table_initializers[spec.name]
+            self._table_initializers[cache_key] = jax.jit(write, donate_argnums=0, out_shardings=self._sharded)
+        return self._table_initializers[cache_key]
 
     def init_slots(self) -> Slots:
         """Every stack's optimizer slots at their initial values, and a step count of 0."""
@@ -502,3 +512,23 @@ def _check_buffers(batch: PackedBatch, geometry: KernelGeometry, local_devices: 
             f"{int(ends[device, sparsecore, partition])}; allowed are 0..{geometry.max_ids_per_partition} "
             f"entries (max_ids_per_partition) ending inside the {geometry.segment_size}-slot segment"
         )
+
+
+_MIN_DRAW_ROWS = 64
+
+
+def _draw_rows(spec: TableSpec) -> int:
+    """How many rows a table's initial values are drawn for: its vocabulary rounded up (by less
+    than an eighth) to a number with at most four significant bits, and at least 64, where that
+    gives the same values, so that tables of nearby sizes share one compiled initializer -- a
+    model of many tables otherwise compiles one program per table at start-up.
+
+    The same values: a `NamedInitializer` draws each element from the key and its position
+    alone under JAX's partitionable threefry (row i of a draw of any row count is the same), so
+    the first `vocabulary_size` rows of the larger draw are the table's exact-size draw. Other
+    initializers (arbitrary callables) draw exactly the table's rows."""
+    rows = spec.vocabulary_size
+    if not (isinstance(spec.initializer, NamedInitializer) and jax.config.jax_threefry_partitionable):
+        return rows
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return max(-(-rows // step) * step, _MIN_DRAW_ROWS)

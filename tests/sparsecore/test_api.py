@@ -101,6 +101,25 @@ def test_init_applies_each_initializer_sharded_with_zero_padding():
     assert float(slots["ab"]["step"]) == 0.0
 
 
+def test_init_shares_one_program_between_tables_of_nearby_sizes():
+    """Tables of 40 and 24 rows draw 64 rows, 100 and 103 draw 104 (rounded up by less than an
+    eighth): two initializer programs for four tables, each table still holding exactly its own
+    exact-size draw, as a callable initializer (drawn at each table's own size) does."""
+    sizes = {"a": 40, "b": 24, "c": 100, "d": 103}
+    named = [TableSpec(n, v, 8, initializer="uniform(-0.5, 0.5)") for n, v in sizes.items()]
+    custom = [TableSpec(n, v, 8, initializer=lambda k, shape, dtype: jax.random.normal(k, shape, dtype)) for n, v in sizes.items()]
+    key = jax.random.key(11)
+    for tables, programs in ((named, 2), (custom, 4)):
+        features = [FeatureSpec(f"f{t.name}", t, 8) for t in tables]
+        stacks = stack_tables(features, TOPOLOGY, [StackGroup(tuple(sizes), name="abcd")])
+        engine = SparseCoreEmbedding(stacks, TOPOLOGY)
+        values = engine.unstack_tables(engine.init(key)[0])
+        assert len(engine._table_initializers) == programs
+        for index, spec in enumerate(tables):
+            want = spec.initializer(jax.random.fold_in(key, index), (spec.vocabulary_size, 8), jnp.float32)
+            np.testing.assert_array_equal(values[spec.name], np.asarray(want))
+
+
 def test_place_tables_and_slots_round_trip():
     engine, _ = build(opt.RowWiseAdagrad())
     rng = np.random.default_rng(1)

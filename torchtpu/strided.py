@@ -16,6 +16,7 @@ Three cases, cheapest first:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -47,6 +48,16 @@ def is_whole(geometry: Geometry, storage_numel: int) -> bool:
             return False
         expected *= size
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def is_dense_run(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when a tensor of these sizes and strides is one contiguous run of memory in some
+    dimension order, with no broadcast dimension: `read` slices it and `write` updates it as
+    one run at its offset, which may then be a runtime value (see `opcall.DynamicOffset`)."""
+    geometry = Geometry(tuple(sizes), tuple(strides), 0)
+    kind, dims = _classify(geometry)
+    return kind == "dense" and len(dims) == sum(1 for n in sizes if n > 1)
 
 
 def _core_dims(geometry: Geometry) -> list[int]:
@@ -135,10 +146,12 @@ def read(flat, geometry: Geometry):
     core_sizes = [sizes[d] for d in dims]
     if kind == "dense":
         count = math.prod(core_sizes)
-        if offset == 0 and count == flat.shape[0]:
+        if count == flat.shape[0]:  # the whole storage (a view of it lies inside it: offset 0)
             core = flat.reshape(core_sizes)
-        else:
+        elif isinstance(offset, int):
             core = lax.slice(flat, (offset,), (offset + count,)).reshape(core_sizes)
+        else:  # a runtime offset
+            core = lax.dynamic_slice(flat, (offset,), (count,)).reshape(core_sizes)
         return _finish(core, geometry, dims)
     core_strides = [strides[d] for d in dims]
     span = core_sizes[0] * core_strides[0]
@@ -160,7 +173,7 @@ def write(flat, geometry: Geometry, value):
     if kind == "dense" and len(dims) == sum(1 for n in geometry.sizes if n > 1):
         squeezed = value.reshape([n for n in geometry.sizes if n > 1])
         run = jnp.transpose(squeezed, _memory_order(geometry, dims)).reshape(-1)
-        if geometry.offset == 0 and run.shape[0] == flat.shape[0]:
+        if run.shape[0] == flat.shape[0]:  # the whole storage
             return run
         return lax.dynamic_update_slice(flat, run, (geometry.offset,))
     return flat.at[_indices(geometry).reshape(-1)].set(value.reshape(-1))

@@ -128,3 +128,46 @@ def test_version_counter_and_autograd_view_tracking():
     assert y._version == before + 1
     y.sum().backward()
     assert torch.equal(x.grad.cpu(), torch.full((4, 12), 2.0))
+
+
+
+def _tables_step(flat: torch.Tensor, rows: int, dim: int, tables: range) -> list[torch.Tensor]:
+    """Table by table through a flat buffer of `[rows, dim]` tables (as TorchRec initialises
+    tables that share one): in-place ops on each table's view, a read of it with table 1's
+    view, and a sliding window of rows -- every view at a nonzero offset."""
+    size = rows * dim
+    out = []
+    for i in tables:
+        table = flat[i * size:(i + 1) * size].view(rows, dim)
+        table.mul_(2).add_(i)
+        out.append(table * 3 + flat[size:2 * size].view(rows, dim))
+        out.append(flat.view(-1, dim)[i:i + 5] * 0.5 - 1)
+    return out
+
+
+def _programs(mode: str) -> int:
+    counts = torchtpu.metrics()
+    return counts.get("defer_compiles", 0) if mode == "defer" else counts.get("eager_programs", 0)
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_views_at_other_offsets_reuse_the_compiled_program(mode):
+    """Once views of one geometry were seen at two offsets, such views take their offset at run
+    time: tables 1-4 compile (a static program for the first offset, then the one taking it at
+    run time; in defer mode a graph of each), tables 5-6 and 7-8 reuse those programs -- keyed
+    by offset, every table would compile its own -- and every result is bit-equal to CPU."""
+    rows, dim = 7, 3
+    base = torch.arange(9 * rows * dim, dtype=torch.float32) / 7
+    phases = [range(1, 3), range(3, 5), range(5, 7), range(7, 9)]
+    cpu = base.clone()
+    expected = [_tables_step(cpu, rows, dim, tables) for tables in phases]
+    flat = base.to("tpu")
+    actual, programs = [], []
+    with torchtpu.eager_mode(mode):
+        for tables in phases:
+            actual.append(_tables_step(flat, rows, dim, tables))
+            torch.tpu.synchronize()
+            programs.append(_programs(mode))
+    assert programs[1] == programs[2] == programs[3]
+    _assert_bitwise(_to_cpu(actual), expected)
+    _assert_bitwise(flat.cpu(), cpu)

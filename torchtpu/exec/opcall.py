@@ -54,6 +54,75 @@ class TensorRef(NamedTuple):
     neg: bool = False
 
 
+class DynamicOffset(NamedTuple):
+    """The storage offset of a view argument, passed as a runtime value (`dynamic[slot]`).
+
+    A view that is one contiguous run of its storage (`strided.is_dense_run`: a row block of a
+    matrix, a table in a flat buffer of tables, a `narrow`/`chunk`/`split` piece along the first
+    dim) is keyed by its offset until a view of the same sizes and strides turns up at another
+    offset; from then on such views take their offset at run time, so that one program serves
+    every offset instead of one compiling per offset (per table when a flat buffer of tables is
+    initialised table by table, per step of a sliding window). A view seen at one offset only
+    keeps the static program, which runs a little faster. The Scalar checks skip these slots
+    (`offset_slots`)."""
+
+    slot: int
+
+
+_MISSING = object()
+# (sizes, strides) of dense-run views -> the one offset seen so far, or None once several were.
+_offsets_seen: dict[tuple, object] = {}
+
+
+def _dynamic_offset(dynamic: list, offset: int, sizes: tuple, strides: tuple, learn: bool = True):
+    """For a view at a nonzero `offset`: a `DynamicOffset` slot holding it when views of its
+    geometry take their offset at run time (see there), else `offset`. The one rule of both
+    encodings of a call: `Inputs.tensor` (which learns the offsets it sees) and
+    `Encoder._layout` (which only reads them)."""
+    geometry = (sizes, strides)
+    seen = _offsets_seen.get(geometry, _MISSING)
+    if seen is not None:
+        if not learn or seen == offset or not strided.is_dense_run(tuple(sizes), tuple(strides)):
+            return offset
+        if seen is _MISSING:
+            _offsets_seen[geometry] = offset
+            return offset
+        _offsets_seen[geometry] = None
+    dynamic.append(offset)
+    return DynamicOffset(len(dynamic) - 1)
+
+
+_offset_slots: dict[tuple, frozenset[int]] = {}
+
+
+def offset_slots(key: tuple) -> frozenset[int]:
+    """The runtime values of an op call key that are storage offsets (`DynamicOffset`)."""
+    slots = _offset_slots.get(key)
+    if slots is None:
+        found = set()
+
+        def visit(enc) -> None:
+            if isinstance(enc, TensorRef):
+                if enc.geometry is not None and type(enc.geometry.offset) is DynamicOffset:
+                    found.add(enc.geometry.offset.slot)
+            elif isinstance(enc, tuple):
+                for e in enc:
+                    visit(e)
+
+        for enc in key[4]:
+            visit(enc)
+        slots = _offset_slots[key] = frozenset(found)
+    return slots
+
+
+def resolved(ref: "TensorRef", dynamic) -> "TensorRef":
+    """`ref` with a runtime offset (`DynamicOffset`) replaced by its traced value."""
+    geometry = ref.geometry
+    if geometry is not None and type(geometry.offset) is DynamicOffset:
+        return ref._replace(geometry=geometry._replace(offset=dynamic[geometry.offset.slot]))
+    return ref
+
+
 class HostRef(NamedTuple):
     """A 0-dim CPU tensor argument (or a wrapped Python number): passed as a runtime value."""
 
@@ -107,6 +176,9 @@ class Inputs:
     """
 
     __slots__ = ("buffers", "storages", "dynamic", "device", "_seen", "_what")
+    # Whether views at a nonzero offset take it as a runtime value (`DynamicOffset`): op calls
+    # do; a compiled graph keys its inputs' offsets (its plans assume no runtime values).
+    dynamic_offsets = False
 
     def __init__(self, what: object) -> None:
         self.buffers: list[DeviceBuffer] = []
@@ -148,7 +220,11 @@ class Inputs:
             math.prod(sizes) == buffer.numel
         ):
             return TensorRef(index, dtype, sizes, None, conj, neg)
-        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, tuple(t.stride()), t.storage_offset()), conj, neg)
+        strides = tuple(t.stride())
+        offset = t.storage_offset()
+        if offset and self.dynamic_offsets:
+            offset = _dynamic_offset(self.dynamic, offset, sizes, strides)
+        return TensorRef(index, dtype, sizes, strided.Geometry(sizes, strides, offset), conj, neg)
 
     def value(self, v) -> ScalarRef:
         self.dynamic.append(v)
@@ -159,6 +235,7 @@ class Call(Inputs):
     """One ATen call's runtime side: the buffers and values to feed its Program."""
 
     __slots__ = ("op", "sig", "values", "key", "lowering", "plan")
+    dynamic_offsets = True
 
     def __init__(self, op: OpOverload, sig: Signature, values: list, lowering) -> None:
         super().__init__(op)
@@ -198,10 +275,11 @@ class Plan:
     derive from that key once (the strict executable, the deferred executor's Program and output
     shapes), reused by every later call with the same layout."""
 
-    __slots__ = ("key", "storages", "device", "value_classes", "executable", "program", "avals")
+    __slots__ = ("key", "storages", "device", "offsets", "value_classes", "executable", "program", "avals")
 
     def __init__(self, call: Call) -> None:
         self.key = call.key
+        self.offsets = offset_slots(call.key)
         self.storages = tuple(call.storages)
         self.device = call.device
         # Classes of Scalar values this key was checked with (shared with `_validate_values`).
@@ -293,7 +371,7 @@ class Encoder:
         call.dynamic = dynamic
         call.device = plan.device
         if dynamic:
-            kind = _values_class(dynamic)
+            kind = _values_class(_scalars(dynamic, plan.offsets))
             if kind not in plan.value_classes:
                 _run_meta(call)
                 plan.value_classes.add(kind)
@@ -321,7 +399,11 @@ class Encoder:
                 if index is None:
                     index = seen[id(buffer)] = len(buffers)
                     buffers.append(buffer)
-                parts.append((index, v.dtype, v.shape, v.stride(), v.storage_offset(), v.is_conj(), v.is_neg()))
+                strides = v.stride()
+                offset = v.storage_offset()
+                if offset:
+                    offset = _dynamic_offset(dynamic, offset, v.shape, strides, learn=False)
+                parts.append((index, v.dtype, v.shape, strides, offset, v.is_conj(), v.is_neg()))
             elif kind is _STATIC:
                 parts.append(_freeze(v) if isinstance(v, (list, tuple)) else v)
             elif kind is _SCALAR:
@@ -333,7 +415,7 @@ class Encoder:
                 else:
                     raise GeneralEncoding
             elif kind is _TENSOR_LIST:
-                parts.append(tuple([None if t is None else tensor_layout(t, buffers, seen) for t in v]))
+                parts.append(tuple([None if t is None else tensor_layout(t, buffers, seen, dynamic) for t in v]))
             else:  # SCALAR_LIST
                 items = []
                 for x in v:
@@ -350,8 +432,9 @@ class Encoder:
         return (precision.get_mode(), tuple(parts), storages_layout(buffers)), buffers, dynamic
 
 
-def tensor_layout(t, buffers: list, seen: dict) -> tuple:
-    """A `tpu` tensor argument's part of a layout (and its storage's buffer, once per storage)."""
+def tensor_layout(t, buffers: list, seen: dict, dynamic: list | None = None) -> tuple:
+    """A `tpu` tensor argument's part of a layout (and its storage's buffer, once per storage);
+    with `dynamic`, a qualifying view's offset goes there (`DynamicOffset`), as `encode` does."""
     buffer = getattr(t.untyped_storage(), BUFFER_ATTR, None)
     if buffer is None or buffer.untyped or buffer.sharded:
         raise GeneralEncoding
@@ -359,7 +442,11 @@ def tensor_layout(t, buffers: list, seen: dict) -> tuple:
     if index is None:
         index = seen[id(buffer)] = len(buffers)
         buffers.append(buffer)
-    return (index, t.dtype, t.shape, t.stride(), t.storage_offset(), t.is_conj(), t.is_neg())
+    strides = t.stride()
+    offset = t.storage_offset()
+    if offset and dynamic is not None:
+        offset = _dynamic_offset(dynamic, offset, t.shape, strides, learn=False)
+    return (index, t.dtype, t.shape, strides, offset, t.is_conj(), t.is_neg())
 
 
 def storages_layout(buffers: list) -> tuple:
@@ -493,6 +580,12 @@ def _value_class(v) -> tuple:
     return (type(v), bisect.bisect_right(_EDGES, v), v in (0, 1), integral)
 
 
+def _scalars(dynamic: list, offsets: frozenset[int]) -> list:
+    """A call's runtime values without its storage offsets (`DynamicOffset`): what PyTorch's
+    checks of Scalar values see."""
+    return [v for slot, v in enumerate(dynamic) if slot not in offsets] if offsets else dynamic
+
+
 def _values_class(values: list) -> tuple:
     """What PyTorch's checks of Scalar values can tell apart: each value's type, sign, range
     (the integer and float dtypes' limits, 0, 1, 2), integrality, and the order between the
@@ -514,7 +607,7 @@ def _validate_values(call: Call) -> None:
     values are classed (`_values_class`, cheap), and each new class of a key runs the meta
     kernel once with the call's own values."""
     seen = _validated.setdefault(call.key, set())
-    kind = _values_class(call.dynamic)
+    kind = _values_class(_scalars(call.dynamic, offset_slots(call.key)))
     if kind not in seen:
         _run_meta(call)
         seen.add(kind)
@@ -734,7 +827,7 @@ def build(call: Call) -> Program:
 
         def value(enc):
             if isinstance(enc, TensorRef):
-                return read_tensor(buffers[enc.storage], enc)
+                return read_tensor(buffers[enc.storage], resolved(enc, dyn))
             if isinstance(enc, HostRef):
                 return jnp.asarray(dyn[enc.slot], dtypes.to_jax(enc.dtype))
             if isinstance(enc, ScalarRef):
@@ -756,7 +849,7 @@ def build(call: Call) -> Program:
         if sig.written:
             flat_out = out if isinstance(out, (tuple, list)) else (out,)
             for ref, val in zip(write_refs, flat_out):
-                buffers[ref.storage] = write_tensor(buffers[ref.storage], ref, val)
+                buffers[ref.storage] = write_tensor(buffers[ref.storage], resolved(ref, dyn), val)
             return tuple(buffers[i] for i in written) + flags
         outs = list(_flatten(out))
         new_flat = [write_new(v, spec) for v, spec in zip(outs[: len(new)], new)]

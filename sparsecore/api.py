@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsecore.kernels import KernelGeometry, LocalKernels, local_kernels, workspace_rows
-from sparsecore.layout import StackedTable, physical_row_ids, stack_and_shard, unshard_and_unstack
+from sparsecore.layout import StackedTable, physical_row_ids, round_up, stack_and_shard, unshard_and_unstack
 from sparsecore.optimizers import STEP
 from sparsecore.preprocess import PackedBatch, buffer_sizes
 from sparsecore.spec import NamedInitializer, TableSpec
@@ -531,4 +531,4 @@ def _draw_rows(spec: TableSpec) -> int:
     if not (isinstance(spec.initializer, NamedInitializer) and jax.config.jax_threefry_partitionable):
         return rows
     step = 1 << max(rows.bit_length() - 4, 0)
-    return max(-(-rows // step) * step, _MIN_DRAW_ROWS)
+    return max(round_up(rows, step), _MIN_DRAW_ROWS)

@@ -33,7 +33,10 @@ class SparseCoreBatch:
     (host), which unpooled outputs are shaped by. `sequence_rows[name]`: for each unpooled feature,
     the rows of its `[samples * max_seq_len]` activations that hold real ids (on `tpu`).
     `stats[stack]` are what the batch needed (see `sparsecore.preprocess.PartitionStats`);
-    `dropped_ids` counts ids dropped by the limits (only with dropping allowed).
+    `dropped_ids` counts ids dropped by the limits (only with dropping allowed). `source` is the
+    KJT it came from and `layout` the engine it was laid out for: a module whose layout changed
+    since (batch size, grown limits) prepares `source` again. A batch with no `layout` holds only
+    its `source` (`deferred`).
     """
 
     buffers: Mapping[str, tuple[torch.Tensor, ...]]
@@ -42,6 +45,13 @@ class SparseCoreBatch:
     sequence_rows: Mapping[str, torch.Tensor]
     stats: Mapping[str, PartitionStats] = field(repr=False)
     dropped_ids: int = 0
+    source: KeyedJaggedTensor | None = field(default=None, repr=False, compare=False)
+    layout: SparseCoreEmbedding | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def deferred(cls, source: KeyedJaggedTensor) -> SparseCoreBatch:
+        """A batch left for the module to prepare when it runs (e.g. one that needs its limits grown)."""
+        return cls(buffers={}, lengths={}, ids={}, sequence_rows={}, stats={}, source=source)
 
 
 class SparseCorePreprocessor:
@@ -104,7 +114,23 @@ class SparseCorePreprocessor:
             sequence_rows=sequence_rows,
             stats={stack: batch.stats for stack, batch in packed.items()},
             dropped_ids=dropped,
+            source=kjt,
+            layout=self.engine,
         )
+
+    def observe(self, kjt: KeyedJaggedTensor) -> dict[str, PartitionStats]:
+        """What `kjt` needs of each stack, whatever the limits: every stack's observed maxima
+        (`PartitionStats`), from a preprocessing that may drop and moves nothing to the device."""
+        ragged, _, _ = self._ragged_ids(kjt)
+        packed = preprocess(
+            self._stacks,
+            ragged,
+            self.engine.topology,
+            allow_id_dropping=True,
+            with_unique_rows=False,
+            num_threads=self.num_threads,
+        )
+        return {stack: batch.stats for stack, batch in packed.items()}
 
     def _ragged_ids(
         self, kjt: KeyedJaggedTensor

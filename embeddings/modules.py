@@ -20,7 +20,8 @@ split by device); with several, this process's rows on its first tpu device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -37,14 +38,17 @@ from embeddings.ops import StackComputation, register_stack
 from embeddings.optim import SparseCoreFusedOptimizer
 from embeddings.state import StackedState
 from sparsecore.api import SparseCoreEmbedding
-from sparsecore.layout import StackGroup, auto_stack_groups, stack_tables
+from sparsecore.layout import StackedTable, StackGroup, auto_stack_groups, stack_tables
 from sparsecore.optimizers import SGD, OptimizerSpec
+from sparsecore.preprocess import BufferOverflowError, PartitionLimitError, PartitionStats, update_limits
 from sparsecore.topology import CHIP_PRESETS, Topology
-from torchtpu import runtime, sharding
+from torchtpu import counters, runtime, sharding
 
 __all__ = ["SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection", "runtime_topology"]
 
 Stacking = str | Sequence[StackGroup]
+
+_log = logging.getLogger(__name__)
 
 
 def runtime_topology(sparsecores_per_device: int = 4) -> Topology:
@@ -87,23 +91,37 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         topology: Topology | None = None,
         is_weighted: bool = False,
         allow_id_dropping: bool = False,
+        limit_growth: float | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if device is not None and torch.device(device).type != "tpu":
             raise ValueError(f"SparseCore embedding tables live on the tpu device, not {device}")
+        if limit_growth is not None and not limit_growth >= 1.0:
+            raise ValueError(f"limit_growth must be a margin >= 1.0 over the observed ids, got {limit_growth}")
+        if limit_growth is not None and allow_id_dropping:
+            raise ValueError("limit_growth and allow_id_dropping exclude each other: a batch over a limit either "
+                             "grows the limits or has ids dropped")
         self._check_kinds(tables)
         configs = [as_sparsecore_config(table) for table in tables]
         self._check_names(configs)
         optimizer = optimizer if optimizer is not None else SGD()
         topology = topology if topology is not None else runtime_topology()
         self._check_topology(topology)
+        if limit_growth is not None and topology.num_hosts > 1:
+            raise ValueError(
+                f"limit_growth needs one host (this mesh spans {topology.num_hosts}): every host must compile the "
+                "same limits, so on several hosts set them in SparseCoreEmbeddingConfig (update_limits over "
+                "merged stats gives them)"
+            )
         self._configs = configs
         self._is_weighted = is_weighted
         self._optimizer = optimizer
         self._topology = topology
         self._allow_id_dropping = allow_id_dropping
+        self._limit_growth = limit_growth
+        self._limit_growths = 0
         names_by_table = embedding_names(configs)
         self._embedding_names_by_table = names_by_table
         features = self._features(batch_size)
@@ -145,19 +163,59 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         """Lay the per-step buffers out for another batch size; tables, slots and optimizer state
         stay where they are (stacks keep their tables, so only the buffers and programs change).
         What a sharded caller uses when its batch size is only known at the first batch."""
-        if batch_size == self.batch_size:
-            return
+        if batch_size != self.batch_size:
+            self._relayout(batch_size, {name: c.stack for name, c in self._computations.items()})
+
+    def _relayout(self, batch_size: int, stacks: Mapping[str, StackedTable]) -> None:
+        """Lay the buffers out again for `batch_size`, each stack with the limits of `stacks[name]`
+        (its tables and their places unchanged)."""
         groups = tuple(
-            StackGroup(c.stack.table_names, name=name, rotation=_rotation(c.stack),
-                       max_ids_per_partition=c.stack.max_ids_per_partition,
-                       max_unique_ids_per_partition=c.stack.max_unique_ids_per_partition,
-                       suggested_coo_buffer_size_per_device=c.stack.suggested_coo_buffer_size_per_device)
-            for name, c in self._computations.items()
+            StackGroup(s.table_names, name=name, rotation=_rotation(s),
+                       max_ids_per_partition=s.max_ids_per_partition,
+                       max_unique_ids_per_partition=s.max_unique_ids_per_partition,
+                       suggested_coo_buffer_size_per_device=s.suggested_coo_buffer_size_per_device)
+            for name, s in stacks.items()
         )
         dropped = self._preprocessor.dropped_ids
         engine = self._lay_out(batch_size, groups)
         self._preprocessor.dropped_ids = dropped
         self._state.rebind(engine, self._computations)
+
+    @property
+    def limit_growths(self) -> int:
+        """How often a batch over a limit grew the limits (only with `limit_growth`)."""
+        return self._limit_growths
+
+    def limits(self) -> dict[str, tuple[int, int]]:
+        """Each stack's (max_ids_per_partition, max_unique_ids_per_partition) now."""
+        return {name: (c.stack.max_ids_per_partition, c.stack.max_unique_ids_per_partition)
+                for name, c in self._computations.items()}
+
+    def _preprocess(self, features: KeyedJaggedTensor) -> SparseCoreBatch:
+        """`features` preprocessed; with `limit_growth`, a batch over a stack's limits (or its COO
+        buffer) first grows them to what it needs x the margin: buffers and programs are laid out
+        anew (one compile), tables and optimizer state stay, and nothing is dropped."""
+        try:
+            return self._preprocessor(features)
+        except (PartitionLimitError, BufferOverflowError):
+            if self._limit_growth is None:
+                raise
+        self._grow_limits(self._preprocessor.observe(features))
+        return self._preprocessor(features)
+
+    def _grow_limits(self, stats: Mapping[str, PartitionStats]) -> None:
+        stacks = {name: _grown(c.stack, stats[name], self._limit_growth) for name, c in self._computations.items()}
+        for name, c in self._computations.items():
+            if stacks[name] is not c.stack:
+                _log.info(
+                    "SparseCore stack %s: limits grown to max_ids_per_partition %d, max_unique_ids_per_partition %d "
+                    "(were %d, %d; margin %.2f over this batch's needs): its programs compile again",
+                    name, stacks[name].max_ids_per_partition, stacks[name].max_unique_ids_per_partition,
+                    c.stack.max_ids_per_partition, c.stack.max_unique_ids_per_partition, self._limit_growth,
+                )
+        self._relayout(self.batch_size, stacks)
+        self._limit_growths += 1
+        counters.count("sparsecore_limit_growths")
 
     def _check_kinds(self, tables: Sequence[TableConfig]) -> None:
         kind = EmbeddingBagConfig if self._POOLED else EmbeddingConfig
@@ -213,8 +271,15 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
 
     def prepare(self, features: KeyedJaggedTensor) -> SparseCoreBatch:
         """Preprocess a KJT on the host into this module's buffers on `tpu` (what a prefetching
-        loader calls ahead of the training step)."""
-        return self._preprocessor(features)
+        loader calls ahead of the training step, on its own thread). It never changes the module:
+        with `limit_growth`, a KJT over the limits comes back `SparseCoreBatch.deferred`, and the
+        module grows its limits when it runs that batch."""
+        try:
+            return self._preprocessor(features)
+        except (PartitionLimitError, BufferOverflowError):
+            if self._limit_growth is None:
+                raise
+        return SparseCoreBatch.deferred(features)
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -222,10 +287,15 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
     def _batch(self, features: KeyedJaggedTensor | SparseCoreBatch) -> SparseCoreBatch:
         """Host preprocessing (a graph break under `torch.compile`)."""
         if isinstance(features, SparseCoreBatch):
-            return features
+            if features.layout is self._state.engine:
+                return features
+            if features.source is None:
+                raise ValueError("this SparseCoreBatch was laid out for another layout of the module (its batch "
+                                 "size or limits changed since) and carries no KJT to prepare again")
+            features = features.source
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"expected a KeyedJaggedTensor or a SparseCoreBatch, got {type(features).__name__}")
-        return self._preprocessor(features)
+        return self._preprocess(features)
 
     def _feature_rows(self, batch: SparseCoreBatch) -> dict[str, torch.Tensor]:
         """Each feature's activations for this process's samples: `[rows, dim]`, sample-major."""
@@ -289,7 +359,10 @@ class SparseCoreEmbeddingBagCollection(_SparseCoreCollection):
     a `sparsecore.optimizers` spec (default `SGD()`). `stacking`: "auto", "none" or `StackGroup`s.
     `topology`: default `runtime_topology()`. `is_weighted`: KJTs carry per-id weights (pooled as
     SparseCore does: mean divides by the weights' sum). `allow_id_dropping`: ids past a partition
-    limit are dropped and counted instead of raising. `seed`: of the on-device initialisation.
+    limit are dropped and counted instead of raising. `limit_growth`: a margin >= 1; a batch past
+    a stack's limits then grows them to its needs x the margin (a new layout and one compile;
+    counted in `limit_growths` and `torchtpu.metrics()`, logged) instead of raising -- one host
+    only. `seed`: of the on-device initialisation.
     """
 
     _PREFIX = "embedding_bags."
@@ -375,6 +448,21 @@ def _stack_groups(stacking: Stacking, features: list, topology: Topology) -> tup
     if not all(isinstance(group, StackGroup) for group in groups):
         raise ValueError(f"stacking groups must be sparsecore StackGroups, got {groups}")
     return groups
+
+
+def _grown(stack: StackedTable, stats: PartitionStats, margin: float) -> StackedTable:
+    """`stack` with limits (and COO buffer, where it has its own size) raised to what `stats`
+    needed x `margin` wherever that is more; `stack` itself where nothing needs to grow."""
+    needed = update_limits(stack, stats, margin)
+    max_ids = max(stack.max_ids_per_partition, needed.max_ids_per_partition)
+    max_unique = max(stack.max_unique_ids_per_partition, needed.max_unique_ids_per_partition)
+    buffer = stack.suggested_coo_buffer_size_per_device
+    if buffer is not None:
+        buffer = max(buffer, needed.suggested_coo_buffer_size_per_device)
+    if (max_ids, max_unique, buffer) == (stack.max_ids_per_partition, stack.max_unique_ids_per_partition,
+                                         stack.suggested_coo_buffer_size_per_device):
+        return stack
+    return stack.with_limits(max_ids, max_unique, buffer)
 
 
 def _rotation(stack) -> int:

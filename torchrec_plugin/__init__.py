@@ -54,6 +54,14 @@ longest sequence a sample may carry: `torchrec_plugin.sharders(max_seq_len=32)` 
 `max_seq_len={table: length}`; a batch with a longer sample raises, naming the feature and both
 lengths (`torchrec_plugin.sequence_lengths`).
 
+SparseCore preprocesses ids into static buffers bounded per partition (`max_ids_per_partition`,
+`max_unique_ids_per_partition`). A FUSED group starts from its tables' default limits and, on one
+host, grows them when a batch needs more -- to 1.5x its need by default, a new layout and one
+compile, logged and counted in `torchtpu.metrics()` as `sparsecore_limit_growths`; nothing is
+dropped. `torchrec_plugin.sharders(limit_growth=None)` keeps the limits fixed: a batch over them
+then raises, naming the stack, the limit, and the observed and configured values;
+`sharders(limits=(max_ids, max_unique_ids))` sets where every table starts.
+
 One process drives one tpu device. See `torchrec_plugin.hardware` for the chip presets and
 `torchrec_plugin.estimators` for what the planner counts.
 """
@@ -72,6 +80,7 @@ from torchrec_plugin.planning import TpuShardingPlanner, planner
 from torchrec_plugin.sequence import EmbeddingCollectionSharder
 from torchrec_plugin.sharders import EmbeddingBagCollectionSharder
 from torchrec_plugin.hardware import TpuTopology, topology
+from torchrec_plugin.kernels import DEFAULT_LIMIT_GROWTH, LIMIT_GROWTH, LIMITS, check_limits
 
 _fbgemm.install()
 
@@ -82,11 +91,23 @@ __all__ = [
 
 
 def sharders(fused_params: dict[str, Any] | None = None,
-             max_seq_len: int | Mapping[str, int] | None = None) -> list[ModuleSharder[nn.Module]]:
+             max_seq_len: int | Mapping[str, int] | None = None,
+             limit_growth: float | None = DEFAULT_LIMIT_GROWTH,
+             limits: tuple[int, int] | None = None) -> list[ModuleSharder[nn.Module]]:
     """The sharders for `DistributedModelParallel` on tpu: TorchRec's `EmbeddingBagCollection` and
     `EmbeddingCollection`. `fused_params`: defaults of the fused optimizer (e.g. `{"optimizer":
     EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.05}`); a table's `apply_optimizer_in_backward`
     settings take precedence. `max_seq_len`: the most ids a sample may carry in a feature of an
-    `EmbeddingCollection`'s SparseCore tables, one int or `{table: int}` (`torchrec_plugin.sequence`)."""
+    `EmbeddingCollection`'s SparseCore tables, one int or `{table: int}` (`torchrec_plugin.sequence`).
+    `limit_growth`: how the SparseCore limits grow when a batch needs more (a margin >= 1), or None
+    to keep them fixed (`torchrec_plugin.kernels.DEFAULT_LIMIT_GROWTH`). `limits`: the
+    `(max_ids_per_partition, max_unique_ids_per_partition)` every SparseCore table starts from
+    (default: `sparsecore`'s)."""
+    if limit_growth is not None and not limit_growth >= 1.0:
+        raise ValueError(f"limit_growth must be a margin >= 1.0 over what a batch needs, or None, got {limit_growth}")
+    fused_params = {**(fused_params or {}), LIMIT_GROWTH: limit_growth}
+    checked = check_limits(limits)
+    if checked is not None:
+        fused_params[LIMITS] = checked
     return [EmbeddingBagCollectionSharder(fused_params=fused_params),
             EmbeddingCollectionSharder(fused_params=fused_params, max_seq_len=max_seq_len)]

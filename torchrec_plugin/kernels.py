@@ -32,11 +32,33 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embeddings import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection, runtime_topology
+from embeddings import (
+    SparseCoreEmbeddingBagCollection,
+    SparseCoreEmbeddingCollection,
+    SparseCoreEmbeddingConfig,
+    runtime_topology,
+)
 from sparsecore import optimizers
 from torchrec_plugin.fused_optimizer import LocalTable, ShardOptimizer
 
-__all__ = ["DenseEmbeddingBag", "SparseCoreEmbeddingBag", "SparseCoreKernel", "sparsecore_optimizer"]
+__all__ = [
+    "DEFAULT_LIMIT_GROWTH", "LIMITS", "LIMIT_GROWTH", "DenseEmbeddingBag", "SparseCoreEmbeddingBag",
+    "SparseCoreKernel", "check_limits", "fused_settings", "sparsecore_optimizer",
+]
+
+LIMITS = "sparsecore_limits"
+"""The `fused_params` key of the limits every FUSED table starts from:
+`(max_ids_per_partition, max_unique_ids_per_partition)` (unset: `sparsecore`'s defaults)."""
+
+LIMIT_GROWTH = "sparsecore_limit_growth"
+"""The `fused_params` key of how a kernel's SparseCore limits grow: a margin >= 1, or None."""
+
+DEFAULT_LIMIT_GROWTH = 1.5
+"""A FUSED group's collection starts from the default limits of its tables and, on one host,
+grows them to 1.5x what a batch over them needs (one new layout and compile, logged and
+counted), so DMP runs whatever the batch size and id distribution. With None, or on several
+hosts (whose limits must agree), a batch over the limits raises, naming stack, limit, observed
+and configured values."""
 
 _IGNORED_FUSED_PARAMS = frozenset(
     {"output_dtype", "stochastic_rounding", "bounds_check_mode", "enforce_hbm", "prefetch_pipeline",
@@ -68,6 +90,31 @@ def sparsecore_optimizer(fused_params: dict[str, Any] | None) -> optimizers.Opti
     if kind == EmbOptimType.ADAM:
         return optimizers.Adam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=eps)
     raise ValueError(f"fused optimizer {kind} has no SparseCore implementation (SGD, Adagrad, row-wise Adagrad, Adam)")
+
+
+def check_limits(limits: Any) -> tuple[int, int] | None:
+    """`limits` as the `LIMITS` setting takes them: None, or two positive ints."""
+    if limits is None:
+        return None
+    if (not isinstance(limits, (tuple, list)) or len(limits) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in limits)):
+        raise ValueError(f"SparseCore limits are (max_ids_per_partition, max_unique_ids_per_partition), two "
+                         f"positive ints, got {limits!r}")
+    return tuple(limits)
+
+
+def fused_settings(fused_params: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, int]]:
+    """What a FUSED group's `fused_params` give: the `embeddings` collection's arguments (its
+    optimizer and `limit_growth`: `LIMIT_GROWTH`, `DEFAULT_LIMIT_GROWTH` when unset, None on
+    several hosts) and each table's starting limits (`LIMITS`), as `SparseCoreEmbeddingConfig`
+    arguments."""
+    params = dict(fused_params or {})
+    growth = params.pop(LIMIT_GROWTH, DEFAULT_LIMIT_GROWTH)
+    if runtime_topology().num_hosts > 1:
+        growth = None
+    limits = check_limits(params.pop(LIMITS, None))
+    table = {} if limits is None else dict(zip(("max_ids_per_partition", "max_unique_ids_per_partition"), limits))
+    return {"optimizer": sparsecore_optimizer(params), "limit_growth": growth}, table
 
 
 class _ShardTables(nn.Module):
@@ -221,16 +268,20 @@ class SparseCoreEmbeddingBag(SparseCoreKernel):
     def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
                  device: torch.device | None) -> None:
         super().__init__(config, pg, device)
+        settings, limits = fused_settings(config.fused_params)
         bag_configs = [
-            EmbeddingBagConfig(name=f"{table.name}#{index}", num_embeddings=table.local_rows,
-                               embedding_dim=table.local_cols, feature_names=keys, pooling=table.pooling)
+            SparseCoreEmbeddingConfig(
+                EmbeddingBagConfig(name=f"{table.name}#{index}", num_embeddings=table.local_rows,
+                                   embedding_dim=table.local_cols, feature_names=keys, pooling=table.pooling),
+                **limits,
+            )
             for index, (table, keys) in enumerate(zip(config.embedding_tables, self._shard_keys))
         ]
         collection = SparseCoreEmbeddingBagCollection(
             bag_configs,
             batch_size=runtime_topology().num_sparsecores,
-            optimizer=sparsecore_optimizer(config.fused_params),
             is_weighted=config.is_weighted,
+            **settings,
         )
         self._attach(collection, [c.name for c in bag_configs], pg)
 

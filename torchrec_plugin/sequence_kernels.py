@@ -27,7 +27,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SparseCoreEmbeddingCollection, SparseCoreEmbeddingConfig, runtime_topology
-from torchrec_plugin.kernels import SparseCoreKernel, _ShardTables, sparsecore_optimizer
+from torchrec_plugin.kernels import SparseCoreKernel, _ShardTables, fused_settings
 from torchrec_plugin.sequence_lengths import MAX_SEQ_LEN
 
 __all__ = ["DenseEmbedding", "SparseCoreEmbedding"]
@@ -47,18 +47,20 @@ class SparseCoreEmbedding(SparseCoreKernel):
         if max_seq_len is None:
             raise ValueError(f"tables {config.table_names()}: fused_params carry no {MAX_SEQ_LEN!r} (shard the "
                              "EmbeddingCollection with torchrec_plugin's EmbeddingCollectionSharder)")
+        settings, limits = fused_settings(fused_params)
         sequence_configs = [
             SparseCoreEmbeddingConfig(
                 EmbeddingConfig(name=f"{table.name}#{index}", num_embeddings=table.local_rows,
                                 embedding_dim=table.local_cols, feature_names=keys),
                 max_seq_len=max_seq_len,
+                **limits,
             )
             for index, (table, keys) in enumerate(zip(config.embedding_tables, self._shard_keys))
         ]
         collection = SparseCoreEmbeddingCollection(
             sequence_configs,
             batch_size=runtime_topology().num_sparsecores,
-            optimizer=sparsecore_optimizer(fused_params),
+            **settings,
         )
         self._attach(collection, [c.name for c in sequence_configs], pg)
 

@@ -1,6 +1,7 @@
 """Host preprocessing of KJTs: bad input raises naming the feature or table and the observed vs
-configured values; drops happen only when allowed, and are counted; a batch preprocessed ahead
-gives the same lookup as the KJT."""
+configured values; drops happen only when allowed, and are counted; limits grow only when
+allowed, and training across a growth still matches FBGEMM; a batch preprocessed ahead gives the
+same lookup as the KJT."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from _references import bag_tables, kjt_keys, random_kjt
+import torchtpu
+from _references import OPTIMIZERS, bag_tables, check_bag_training, kjt_keys, random_kjt
 from embeddings import (
     SparseCoreBatch,
     SparseCoreEmbeddingBagCollection,
@@ -19,6 +21,7 @@ from embeddings import (
 )
 from embeddings.ops import BUFFERS
 from sparsecore.preprocess import PartitionLimitError
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 BATCH = 32
 
@@ -105,3 +108,51 @@ def test_sequences_longer_than_max_seq_len_are_rejected():
 def test_forward_rejects_other_inputs(ebc):
     with pytest.raises(TypeError, match="expected a KeyedJaggedTensor or a SparseCoreBatch, got dict"):
         ebc({"f0": torch.zeros(1)})
+
+
+def _tight(tables: list[EmbeddingBagConfig]) -> list[SparseCoreEmbeddingConfig]:
+    return [SparseCoreEmbeddingConfig(t, max_ids_per_partition=1, max_unique_ids_per_partition=1) for t in tables]
+
+
+def test_limit_growth_keeps_training_equal_to_fbgemm():
+    """Limits of one id per partition: the first batch grows them (a new layout) and training goes
+    on from the same tables and optimizer state, as FBGEMM's over the same 5 steps."""
+    tables = bag_tables()
+    ebc = SparseCoreEmbeddingBagCollection(_tight(tables), batch_size=BATCH, optimizer=OPTIMIZERS["adagrad"],
+                                           limit_growth=1.5)
+    before = ebc.limits()
+    torchtpu.reset_metrics()
+    check_bag_training(ebc, ebc, tables, "adagrad", 5, BATCH, slice(0, BATCH), seed=5)
+    assert ebc.limit_growths >= 1 and torchtpu.metrics()["sparsecore_limit_growths"] == ebc.limit_growths
+    assert all(ebc.limits()[stack][0] > before[stack][0] for stack in before)
+    assert ebc.dropped_ids == 0
+
+
+def _lookup_reference(ebc: SparseCoreEmbeddingBagCollection, tables) -> EmbeddingBagCollection:
+    reference = EmbeddingBagCollection(tables)
+    reference.load_state_dict(ebc.state_dict())
+    return reference
+
+
+def test_prepare_defers_a_batch_over_the_limits_and_stale_batches_are_prepared_again():
+    table = EmbeddingBagConfig(name="t", num_embeddings=256, embedding_dim=8, feature_names=["f"])
+    config = SparseCoreEmbeddingConfig(table, max_ids_per_partition=8, max_unique_ids_per_partition=8)
+    ebc = SparseCoreEmbeddingBagCollection([config], batch_size=BATCH, limit_growth=2.0)
+    reference = _lookup_reference(ebc, [table])
+    light = KeyedJaggedTensor(keys=["f"], values=torch.arange(BATCH), lengths=torch.ones(BATCH, dtype=torch.int64))
+    stale = ebc.prepare(light)
+    hot = _hot_kjt()
+    deferred = ebc.prepare(hot)
+    assert deferred.layout is None and deferred.source is hot
+    assert ebc.limit_growths == 0, "prepare (a loader's thread) never changes the module"
+    torch.testing.assert_close(ebc(deferred).values().cpu(), reference(hot).values(), rtol=0, atol=1e-6)
+    assert ebc.limit_growths == 1
+    torch.testing.assert_close(ebc(stale).values().cpu(), reference(light).values(), rtol=0, atol=1e-6)
+    assert ebc.limit_growths == 1 and ebc.prepare(_hot_kjt()).layout is not None
+
+
+def test_limit_growth_settings_are_checked():
+    with pytest.raises(ValueError, match="limit_growth must be a margin >= 1.0"):
+        SparseCoreEmbeddingBagCollection(bag_tables(), batch_size=BATCH, limit_growth=0.5)
+    with pytest.raises(ValueError, match="limit_growth and allow_id_dropping exclude each other"):
+        SparseCoreEmbeddingBagCollection(bag_tables(), batch_size=BATCH, limit_growth=1.5, allow_id_dropping=True)

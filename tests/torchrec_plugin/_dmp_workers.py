@@ -43,6 +43,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_plugin
+import torchtpu
 
 STEPS = 10
 RESUMED_STEPS = 3
@@ -168,11 +169,13 @@ def _plans(module: EmbeddingBagCollection, generators: dict, world: int,
 
 
 def _shard(module: nn.Module, plan: ShardingPlan, device: torch.device, gloo: dist.ProcessGroup,
-           **kwargs) -> DistributedModelParallel:
-    """`module` sharded by the plugin on tpu, or by TorchRec on cpu over `gloo`."""
+           tpu_sharders: list | None = None, **kwargs) -> DistributedModelParallel:
+    """`module` sharded by the plugin on tpu (its default sharders, or `tpu_sharders`), or by
+    TorchRec on cpu over `gloo`."""
     with _table_row_wise_subgroups(device):
         if device.type == "tpu":
-            return DistributedModelParallel(module, device=device, plan=plan, sharders=torchrec_plugin.sharders(),
+            sharders = tpu_sharders or torchrec_plugin.sharders()
+            return DistributedModelParallel(module, device=device, plan=plan, sharders=sharders,
                                             env=ShardingEnv.from_process_group(dist.group.WORLD), **kwargs)
         return DistributedModelParallel(module, device=device, env=ShardingEnv.from_process_group(gloo), plan=plan,
                                         sharders=[TorchRecEBCSharder()], **kwargs)
@@ -251,16 +254,20 @@ def _tpu_model(world: int, gloo: dist.ProcessGroup, seed: int) -> DistributedMod
 def _compare(rank: int, world: int, batch: int,
              gloo: dist.ProcessGroup) -> tuple[DistributedModelParallel, DistributedModelParallel]:
     """The every-type plan's tables from the same weights, on tpu by the plugin and on CPU by
-    TorchRec: `STEPS` steps, the same outputs each step, tables and optimizer state after."""
+    TorchRec: `STEPS` steps, the same outputs each step, tables and optimizer state after. The
+    SparseCore tables start from limits of 2 ids per partition, which the first batches exceed:
+    each kernel grows its limits (a new layout) and trains on as TorchRec does."""
     initial = _ebc(3, tables()).state_dict()
     tpu_plan, cpu_plan = _plans(_ebc(3, tables()), plan(world), world)
     reference = _shard(_ebc(3, tables()), cpu_plan, CPU, gloo)
-    tpu = _shard(_ebc(3, tables()), tpu_plan, TPU, gloo)
+    tpu = _shard(_ebc(3, tables()), tpu_plan, TPU, gloo, tpu_sharders=torchrec_plugin.sharders(limits=(2, 2)))
     reference.load_state_dict(initial)
     tpu.load_state_dict(initial)
     label = f"every type x optimizer at world size {world}"
+    growths = torchtpu.metrics().get("sparsecore_limit_growths", 0)
     _train_and_compare(tpu, reference, rank, world, batch, STEPS, label)
     _assert_states(_state(tpu), _state(reference), exact=False, label=label)
+    assert torchtpu.metrics().get("sparsecore_limit_growths", 0) > growths, "no SparseCore limits grew"
     print(f"rank {rank}: {label} ok", flush=True)
     return tpu, reference
 

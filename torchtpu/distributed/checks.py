@@ -129,10 +129,15 @@ def row_shapes(collective: str, output: torch.Tensor, input: torch.Tensor) -> No
 # --- what ranks exchange before an all-to-all ---------------------------------------------------
 
 
-def exchange_row(send: Sequence[int], recv: Sequence[int], row_numel: int, dtype: torch.dtype) -> torch.Tensor:
+def exchange_values(send: Sequence[int], recv: Sequence[int], row_numel: int, dtype: torch.dtype) -> tuple[int, ...]:
     """This rank's entry of the exchange table: sizes sent to / expected from each rank, the
     number of elements per size unit, and the dtype."""
-    return torch.from_numpy(np.array([*send, *recv, row_numel, _DTYPE_CODES[dtype]], dtype=np.int64))
+    return (*send, *recv, row_numel, _DTYPE_CODES[dtype])
+
+
+def exchange_row(send: Sequence[int], recv: Sequence[int], row_numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`exchange_values` as an int64 tensor."""
+    return torch.from_numpy(np.array(exchange_values(send, recv, row_numel, dtype), dtype=np.int64))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
+        self._group_rank, self._world_size = rank, size  # the C++ getters cost a GIL release a call
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._transport = _transport(self._gloo, store, rank, size)
         self._sizes = SizeExchange(self._gloo, rank, size)
@@ -123,21 +124,21 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def broadcast(self, tensors: Tensors, opts: c10d.BroadcastOptions | None = None) -> dist.Work:
         opts = opts or c10d.BroadcastOptions()
         backend = self._route("broadcast", tensors)
-        checks.root_rank("broadcast", opts.rootRank, self.size())
+        checks.root_rank("broadcast", opts.rootRank, self._world_size)
         return backend.broadcast(tensors, opts)
 
     def allgather(self, output_tensors: Sequence[Tensors], input_tensors: Tensors,
                   opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         c = "all_gather"
         backend = self._route(c, [*(t for group in output_tensors for t in group), *input_tensors])
-        checks.one_per_rank(c, "tensor_list", output_tensors, input_tensors, "tensor", self.size())
+        checks.one_per_rank(c, "tensor_list", output_tensors, input_tensors, "tensor", self._world_size)
         return backend.allgather(output_tensors, input_tensors, opts or c10d.AllgatherOptions())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         c = "all_gather_into_tensor"
         backend = self._route(c, [output, input])
-        checks.world_multiple(c, output, "output_tensor", input, "input_tensor", self.size())
+        checks.world_multiple(c, output, "output_tensor", input, "input_tensor", self._world_size)
         return _single_tensor(backend, "all_gather_single")(output, input, opts or c10d.AllgatherOptions())
 
     _allgather_base = all_gather_single
@@ -146,14 +147,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
                        opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         c = "reduce_scatter"
         backend = self._route(c, [*output_tensors, *(t for group in input_tensors for t in group)])
-        checks.one_per_rank(c, "input_list", input_tensors, output_tensors, "output", self.size())
+        checks.one_per_rank(c, "input_list", input_tensors, output_tensors, "output", self._world_size)
         return backend.reduce_scatter(output_tensors, input_tensors, opts or c10d.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         c = "reduce_scatter_tensor"
         backend = self._route(c, [output, input])
-        checks.world_multiple(c, input, "input", output, "output", self.size())
+        checks.world_multiple(c, input, "input", output, "output", self._world_size)
         return _single_tensor(backend, "reduce_scatter_single")(output, input, opts or c10d.ReduceScatterOptions())
 
     _reduce_scatter_base = reduce_scatter_single
@@ -169,14 +170,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
         elif output.shape[0] == 0 and input.dim() > 0:
             output = output.reshape(0, *input.shape[1:])
         checks.row_shapes(c, output, input)
-        send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self.size())
-        recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self.size())
-        row = checks.exchange_row(send, recv, checks.row_numel(input), input.dtype)
+        send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self._world_size)
+        recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self._world_size)
+        row = checks.exchange_values(send, recv, checks.row_numel(input), input.dtype)
         opts = opts or c10d.AllToAllOptions()
 
         def stage(sizes: checks.ExchangeSizes) -> Callable[[], dist.Work]:
             if backend is self._gloo:
-                send_splits, recv_splits = sizes.gloo_splits(self.rank())
+                send_splits, recv_splits = sizes.gloo_splits(self._group_rank)
                 return functools.partial(self._gloo.alltoall_base, output, input, recv_splits, send_splits, opts)
             return backend.stage_all_to_all_single(output, input, sizes, opts)
 
@@ -191,10 +192,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                  opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         c = "all_to_all"
         backend = self._route(c, [*output_tensors, *input_tensors])
-        checks.list_length(c, "output_tensor_list", output_tensors, self.size())
-        checks.list_length(c, "input_tensor_list", input_tensors, self.size())
-        row = checks.exchange_row([t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
-                                  input_tensors[0].dtype)
+        checks.list_length(c, "output_tensor_list", output_tensors, self._world_size)
+        checks.list_length(c, "input_tensor_list", input_tensors, self._world_size)
+        row = checks.exchange_values([t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
+                                     input_tensors[0].dtype)
         sizes = self._sizes.agree(c, row, "elements", "input_tensor_list", "output_tensor_list")
         opts = opts or c10d.AllToAllOptions()
         if backend is not self._gloo:
@@ -213,12 +214,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def send(self, tensors: Tensors, dstRank: int, tag: int) -> dist.Work:
         backend = self._route("send", tensors)
-        checks.root_rank("send", dstRank, self.size())
+        checks.root_rank("send", dstRank, self._world_size)
         return backend.send(tensors, dstRank, tag)
 
     def recv(self, tensors: Tensors, srcRank: int, tag: int) -> dist.Work:
         backend = self._route("recv", tensors)
-        checks.root_rank("recv", srcRank, self.size())
+        checks.root_rank("recv", srcRank, self._world_size)
         return backend.recv(tensors, srcRank, tag)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> dist.Work:

@@ -3,10 +3,10 @@
 Gloo aborts the process, or waits forever, when a rank sends a peer more or fewer bytes than the
 peer expects. So before an all-to-all every rank's sizes are gathered (one small gloo
 collective) and checked (`checks.check_exchange_table`): every rank reaches the same verdict,
-and only agreed sizes ever reach gloo. The gather is a sum of tables in which each rank filled
-only its own row: the same table an all-gather gives, for half of gloo's CPU time a call
-(starting gloo's all-gather costs the calling thread ~45 us at world size 1 and ~85 at 2, its
-all-reduce ~15 and ~40).
+and only agreed sizes ever reach gloo. The gather is an all-to-all in which each rank sends every
+rank its row: the table an all-gather gives, for less of gloo's time (at world size 2, starting
+its all-gather costs the calling thread ~85 us against ~43, and a call of it ~0.8-1 ms against
+~0.65 before the table is there).
 
 That gather costs a round trip as long as a small all-to-all itself. Repeated exchanges of one
 shape (the pooled embeddings of every training step, a benchmark) need not wait for it: once two
@@ -47,10 +47,10 @@ class SizeExchange:
         self._gloo = gloo
         self._rank = rank
         self._size = size
-        self._sum = dist.AllreduceOptions()  # reduceOp SUM
-        # The gather's table, reused by the next gather once this one completed (a gather that
-        # failed may still write it: its table is dropped).
-        self._spare: tuple[torch.Tensor, np.ndarray] | None = None
+        self._even = dist.AllToAllOptions()
+        # The gather's buffers (table, rows sent, and their numpy views), reused by the next
+        # gather once this one completed (a gather that failed may still use them: dropped).
+        self._spare: tuple | None = None
         # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
         # agreement before it was the same: the guess for the next call, and this rank's row in it.
         self._table: bytes | None = None
@@ -96,31 +96,28 @@ class SizeExchange:
             early.wait()
         return stage(sizes)()
 
-    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray, dist.Work]:
-        """Start gathering every rank's `row` into a table (the sum of tables that hold only their
-        own rank's row). The table is the spare one when its length fits, else a new one."""
+    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[tuple, dist.Work]:
+        """Start gathering every rank's `row` into a table: an all-to-all in which each rank sends
+        every rank its row. Its buffers are the spare ones when their length fits, else new."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare[1].shape[1] == len(row):
-            table, rows = spare
-            rows.fill(0)
-        else:
-            table = torch.zeros(self._size * len(row), dtype=torch.int64)
-            rows = table.numpy().reshape(self._size, len(row))
-        rows[self._rank] = row
+        if spare is None or spare[3].shape[1] != len(row):
+            table, sent = (torch.empty(self._size * len(row), dtype=torch.int64) for _ in range(2))
+            spare = (table, sent, table.numpy().reshape(self._size, -1), sent.numpy().reshape(self._size, -1))
+        spare[3][:] = row
         try:
-            return table, rows, self._gloo.allreduce([table], self._sum)
+            return spare, self._gloo.alltoall_base(spare[0], spare[1], [], [], self._even)
         except RuntimeError as error:
             raise self._failed(collective, error) from error
 
-    def _gathered(self, collective: str, pending: tuple[torch.Tensor, np.ndarray, dist.Work]) -> np.ndarray:
+    def _gathered(self, collective: str, pending: tuple[tuple, dist.Work]) -> np.ndarray:
         """The gathered table, valid until the next gather (which reuses its memory)."""
-        table, rows, work = pending
+        buffers, work = pending
         try:
             work.wait()
         except RuntimeError as error:
             raise self._failed(collective, error) from error
-        self._spare = (table, rows)
-        return rows
+        self._spare = buffers
+        return buffers[2]
 
     def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")

@@ -1,11 +1,13 @@
 """The fused lookup of one stack as an autograd function: the forward runs
-`torch.ops.tpu.sparse_dense_matmul`; the backward runs the stack's
-`torch.ops.tpu.sparse_dense_matmul_grad_with_<optimizer>` and writes the new table, slots and
-update count into the module's state. So the optimizer is applied during `loss.backward()`, and
-the table never gets a `.grad` (its gradient is returned as None).
+`torch.ops.tpu.sparse_dense_matmul`; the backward runs the stack's update,
+`torch.ops.tpu.sparse_dense_matmul_grad_with_<optimizer>_`, in place on the module's table,
+slots and update count. So the optimizer is applied during `loss.backward()`, and the table
+never gets a `.grad` (its gradient is returned as None). The eager executors donate the table's
+buffer to the update, which scatters into it: no table-sized copy per step.
 
-Inside `torch.compile` graphs AOTAutograd keeps those writes in the backward graph as `copy_`s into
-the graph's inputs, which the tpu backend performs in place.
+Inside `torch.compile` graphs the functional update runs and its results are `copy_`d into the
+state: AOTAutograd keeps those writes as the backward graph's input mutations, which the tpu
+backend performs in place (donated) too.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ class _FusedLookup(torch.autograd.Function):
         buffers, rest = inputs[: len(BUFFERS)], inputs[len(BUFFERS) :]
         num_slots = len(computation.optimizer.slots())
         slots, step, hyperparameters = rest[:num_slots], rest[num_slots], rest[num_slots + 1 :]
-        updated = update_kernel(computation.optimizer)(
-            *buffers, table, *slots, step, activations_grad, *hyperparameters, **computation.static_args
-        )
+        kernel = update_kernel(computation.optimizer)
+        args = (*buffers, table, *slots, step, activations_grad, *hyperparameters)
         with torch.no_grad():
-            for target, value in zip((table, *slots, step), updated):
-                target.copy_(value)
+            if torch.compiler.is_compiling():
+                updated = kernel(*args, **computation.static_args)
+                for target, value in zip((table, *slots, step), updated):
+                    target.copy_(value)
+            else:
+                kernel.inplace(*args, **computation.static_args)
         return (None,) * (2 + len(inputs))
 
 

@@ -187,7 +187,8 @@ def _update_op(optimizer_class: type[OptimizerSpec]) -> JaxKernel:
         return computation.update(values, slot_args)
 
     name = f"sparse_dense_matmul_grad_with_{optimizer_class.NAME}"
-    return jax_kernel(f"tpu::{name}", num_outputs=len(slot_args) + 2)(_op_function(name, tensors, body))
+    written = ("embedding_table", *slot_args.values(), "step")
+    return jax_kernel(f"tpu::{name}", num_outputs=len(written), mutates=written)(_op_function(name, tensors, body))
 
 
 UPDATE_KERNELS: dict[str, JaxKernel] = {name: _update_op(cls) for name, cls in OPTIMIZERS.items()}
@@ -195,7 +196,8 @@ UPDATE_KERNELS: dict[str, JaxKernel] = {name: _update_op(cls) for name, cls in O
 embedding_table, *slots, step, activations_grad, learning_rate, *hyper-parameters, clip_gradient,
 *, <static>) -> (embedding_table, *slots, step)`; slots and hyper-parameters in the order of the
 optimizer spec (`slots()`, `HYPERPARAMETERS`; a slot named like a hyper-parameter is passed as
-`<name>_slot`), `step` a `[devices]` float32 update count."""
+`<name>_slot`), `step` a `[devices]` float32 update count. Each has an in-place form
+(`.inplace(...)`, the op `..._grad_with_<name>_`) writing table, slots and step where they are."""
 
 
 def update_kernel(optimizer: OptimizerSpec) -> JaxKernel:

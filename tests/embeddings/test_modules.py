@@ -13,6 +13,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 import torchtpu
+from torchtpu import storage
 from _references import (
     OPTIMIZERS,
     TorchRecSequenceTraining,
@@ -93,6 +94,32 @@ def test_training_matches_fused_reference(optimizer, mode):
     if mode == "compiled":
         metrics = torchtpu.metrics()
         assert metrics.get("compiled_graphs", 0) >= 2 and "compiled_graphs_run_eagerly" not in metrics
+
+
+def _device_addresses(ebc: SparseCoreEmbeddingBagCollection) -> list[tuple[int, ...]]:
+    """Where each stack's table and slots live: the device memory of every shard of their buffers."""
+    torch.tpu.synchronize()
+    state = ebc.stacked_state
+    return [
+        tuple(shard.data.unsafe_buffer_pointer() for shard in storage.buffer_of(t).value.addressable_shards)
+        for stack in ebc.stacks
+        for t in (state.table(stack), *state.slots(stack))
+    ]
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer", "compiled"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_update_writes_tables_and_slots_where_they_are(optimizer, mode):
+    """The fused update scatters into the table's own buffer (donated), as SparseCore does: a step
+    copies no table. (Updating a copy and copying it back cost two table-sized copies a step.)"""
+    ebc = SparseCoreEmbeddingBagCollection(bag_tables(), batch_size=BATCH, optimizer=OPTIMIZERS[optimizer])
+    run = _run(ebc, mode)
+    rng = np.random.default_rng(4)
+    with torchtpu.eager_mode(_eager_mode(mode)):
+        for _ in range(3):
+            before = _device_addresses(ebc)
+            run(random_kjt(rng, kjt_keys(bag_tables()), BATCH)).values().sum().backward()
+            assert _device_addresses(ebc) == before
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -187,3 +187,55 @@ def test_kernel_that_fails_to_trace_keeps_its_error_noted_with_the_kernel(mode):
             call(x)
     notes = [note for error in _chain(raised.value) for note in getattr(error, "__notes__", [])]
     assert "in kernel test_kernels::pallas_mismatched_blocks, traced on inputs (float32[4, 4])" in notes
+
+
+@jax_kernel("test_kernels::momentum_step", num_outputs=2, mutates=("param", "velocity"))
+def momentum_step(param, velocity, grad, *, rate: float = 0.1):
+    velocity = 0.9 * velocity + grad
+    return param - rate * velocity, velocity
+
+
+def _momentum_reference(param, velocity, grad, rate=0.1):
+    velocity = 0.9 * velocity + grad
+    return param - rate * velocity, velocity
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_inplace_form_writes_its_outputs_into_the_mutated_inputs_where_they_are(mode):
+    """`inplace` updates param and velocity as the functional kernel computes them, in the device
+    memory they had (donated: no copy; a fused program may swap two buffers of one shape), and
+    leaves the other input alone."""
+    from torchtpu import storage
+
+    cpu = [torch.randn(64, 8) for _ in range(3)]
+    # Buffers a program made: on the CPU platform a transfer from the host may alias host memory,
+    # which donation copies instead of reusing.
+    param, velocity, grad = (t.to("tpu") * 1 for t in cpu)
+    view = param[2:5]
+
+    def addresses() -> set[int]:
+        torch.tpu.synchronize()
+        return {storage.buffer_of(t).value.unsafe_buffer_pointer() for t in (param, velocity)}
+
+    with torchtpu.eager_mode(mode):
+        before = addresses()
+        assert momentum_step.inplace(param, velocity, grad, rate=0.5) is None
+        assert addresses() == before
+    want_param, want_velocity = _momentum_reference(*cpu, rate=0.5)
+    torch.testing.assert_close(param.cpu(), want_param, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(velocity.cpu(), want_velocity, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(view.cpu(), want_param[2:5], rtol=1e-6, atol=1e-6)
+    assert torch.equal(grad.cpu(), cpu[2])
+
+
+def test_inplace_form_on_cpu_tensors_and_its_errors():
+    cpu = [torch.randn(16) for _ in range(3)]
+    param, velocity = cpu[0].clone(), cpu[1].clone()
+    momentum_step.inplace(param, velocity, cpu[2])
+    want_param, want_velocity = _momentum_reference(*cpu)
+    torch.testing.assert_close(param, want_param)
+    torch.testing.assert_close(velocity, want_velocity)
+    with pytest.raises(TypeError, match="kernel test_kernels::tanh_mix declares no mutated inputs"):
+        tanh_mix.inplace(*cpu[:2])
+    with pytest.raises(ValueError, match=r"mutates=\('x', 'z'\) must name 2 distinct tensor parameters"):
+        jax_kernel("test_kernels::bad_mutates", num_outputs=2, mutates=("x", "z"))(lambda x, y: (x, y))

@@ -240,11 +240,12 @@ _MEMORY_KERNELS = {
 
 
 def _variants(op: OpOverload):
-    """The in-place and out= overloads whose functional variant is `op`."""
+    """The in-place and out= overloads (of `op`'s namespace) whose functional variant is `op`."""
     name = op._schema.name.split("::")[1]
+    namespace = getattr(torch.ops, op.namespace)
     # `normal_functional` is the functional form of `normal_`.
     for packet_name in (name, name + "_", name.removesuffix("_functional") + "_"):
-        packet = getattr(aten, packet_name, None)
+        packet = getattr(namespace, packet_name, None)
         if packet is None:
             continue
         for overload in packet.overloads():

@@ -4,7 +4,10 @@
 implementation from `jax.eval_shape` of the function, its `tpu` implementation as a lowering in
 the one registry (so every executor -- strict, defer, compiled graphs -- traces the function into
 its program, the tensors arriving as the program's `jax.Array`s), a CPU implementation through
-JAX on the host, and optionally autograd through a second kernel op computing the VJP.
+JAX on the host, and optionally autograd through a second kernel op computing the VJP. A kernel
+whose outputs are new values of some of its inputs (an optimizer's table and slots) also gets an
+in-place form, `<op>_`, that writes them into those inputs: the executors donate their buffers,
+so the update happens where they are, without a copy.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class JaxKernel:
 
     `fn` may also be a Helion kernel with the Pallas backend (`torchtpu.kernels.helion_kernels`).
     `out_spec(*arrays, **static)`, if given, returns the `jax.ShapeDtypeStruct`(s) the outputs
-    must match: a kernel that disagrees raises a `KernelError` naming it.
+    must match: a kernel that disagrees raises a `KernelError` naming it. `mutates` names, in
+    output order, the tensor parameters the outputs are new values of: `inplace(...)` (the op
+    `<name>_`) then writes them there instead of returning them.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class JaxKernel:
         backward: str | Callable[..., Any] | None,
         out_spec: Callable[..., Any] | None,
         interpret: Callable[[str], ContextManager[None]] = pallas_interpret,
+        mutates: Sequence[str] = (),
     ) -> None:
         namespace, _, op_name = name.rpartition("::")
         self.namespace = namespace or _DEFAULT_NAMESPACE
@@ -106,6 +112,7 @@ class JaxKernel:
         torch.library.register_fake(self.name, self._fake, lib=lib)
         lib.impl(op_name, self._cpu, "CPU")
         registry.register(self.op)(self._lowering)
+        self.inplace_op = self._define_inplace(lib, op_name, tuple(mutates)) if mutates else None
         from torchtpu.exec import kernels as exec_kernels
 
         exec_kernels.register_all()
@@ -117,6 +124,37 @@ class JaxKernel:
     @torch._dynamo.dont_skip_tracing
     def __call__(self, *tensors: torch.Tensor, **static: Any) -> Any:
         return self.op(*tensors, **static)
+
+    @torch._dynamo.dont_skip_tracing
+    def inplace(self, *tensors: torch.Tensor, **static: Any) -> None:
+        """The in-place form: the outputs are written into the `mutates` tensors."""
+        if self.inplace_op is None:
+            raise TypeError(f"kernel {self.name} declares no mutated inputs (jax_kernel(..., mutates=...))")
+        self.inplace_op(*tensors, **static)
+
+    def _define_inplace(self, lib: torch.library.Library, op_name: str, mutates: tuple[str, ...]):
+        """Define `<op_name>_`, writing the outputs into the tensors `mutates` names. Its tpu kernel
+        is the executors' in-place path over this op's lowering (`functional_variant`)."""
+        unknown = [name for name in mutates if name not in self.signature.tensors]
+        if unknown or len(mutates) != self.num_outputs or len(set(mutates)) != len(mutates):
+            raise ValueError(
+                f"kernel {self.name}: mutates={mutates} must name {self.num_outputs} distinct tensor "
+                f"parameters of {self.signature.tensors}, one per output"
+            )
+        lib.define(f"{op_name}_({self.signature.inplace_schema_args(mutates)}) -> ()")
+        positions = [self.signature.tensors.index(name) for name in mutates]
+
+        def fake(*tensors: torch.Tensor, **static: Any) -> None:
+            return None
+
+        def cpu(*tensors: torch.Tensor, **static: Any) -> None:
+            outs = self._cpu(*tensors, **static)
+            for position, value in zip(positions, outs if self.num_outputs > 1 else (outs,)):
+                tensors[position].copy_(value)
+
+        torch.library.register_fake(f"{self.name}_", fake, lib=lib)
+        lib.impl(f"{op_name}_", cpu, "CPU")
+        return getattr(getattr(torch.ops, self.namespace), f"{op_name}_").default
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -254,10 +292,11 @@ def jax_kernel(
     num_outputs: int = 1,
     backward: str | Callable[..., Any] | None = None,
     out_spec: Callable[..., Any] | None = None,
+    mutates: Sequence[str] = (),
 ) -> Callable[[Callable[..., Any]], JaxKernel]:
     """Decorator: register a JAX function as the torch op `name` ("namespace::op" or "op")."""
 
     def decorator(fn: Callable[..., Any]) -> JaxKernel:
-        return JaxKernel(fn, name, num_outputs, backward, out_spec)
+        return JaxKernel(fn, name, num_outputs, backward, out_spec, mutates=mutates)
 
     return decorator

@@ -7,6 +7,7 @@ from their annotation or default: `int`, `float`, `bool`, `str` or a tuple/list 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +22,13 @@ class KernelSignature:
     tensors: tuple[str, ...]
     statics: tuple[inspect.Parameter, ...]
     schema_args: str
+    static_schema: str  # the keyword-only part of `schema_args` ("" without statics)
+
+    def inplace_schema_args(self, mutated: Sequence[str]) -> str:
+        """`schema_args` with the tensors `mutated` marked as written (`Tensor(a!)`, `Tensor(b!)`, ...)."""
+        aliases = {name: chr(ord("a") + i) for i, name in enumerate(mutated)}
+        parts = [f"Tensor({aliases[n]}!) {n}" if n in aliases else f"Tensor {n}" for n in self.tensors]
+        return ", ".join(parts + ([self.static_schema] if self.static_schema else []))
 
 
 def _static_type(param: inspect.Parameter, kernel: str) -> str:
@@ -56,12 +64,13 @@ def kernel_signature(fn: Callable[..., Any], kernel: str) -> KernelSignature:
         raise TypeError(f"kernel {kernel}: *args/**kwargs are not supported; name every parameter")
     tensors = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     statics = [p for p in params if p.kind is p.KEYWORD_ONLY]
-    parts = [f"Tensor {name}" for name in tensors]
+    static_parts = []
     if statics:
-        parts.append("*")
+        static_parts.append("*")
         for p in statics:
             entry = f"{_static_type(p, kernel)} {p.name}"
             if p.default is not inspect.Parameter.empty:
                 entry += f"={_schema_literal(p.default)}"
-            parts.append(entry)
-    return KernelSignature(tuple(tensors), tuple(statics), ", ".join(parts))
+            static_parts.append(entry)
+    parts = [f"Tensor {name}" for name in tensors] + static_parts
+    return KernelSignature(tuple(tensors), tuple(statics), ", ".join(parts), ", ".join(static_parts))

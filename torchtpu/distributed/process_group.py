@@ -101,6 +101,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
         tensors, the transport for tpu tensors."""
         if self._closed:
             raise RuntimeError(f"tpu_dist {collective}: this process group was destroyed")
+        if self._device is not None and tensors:  # the usual call, checked in one pass
+            device, dtype = self._device, tensors[0].dtype
+            if all(t.device == device and t.dtype == dtype for t in tensors):
+                return self._transport
         device = checks.placement(collective, tensors, "cpu" in self._served_types())
         checks.same_dtype(collective, tensors)
         if device.type == "cpu":

@@ -135,11 +135,6 @@ def exchange_values(send: Sequence[int], recv: Sequence[int], row_numel: int, dt
     return (*send, *recv, row_numel, _DTYPE_CODES[dtype])
 
 
-def exchange_row(send: Sequence[int], recv: Sequence[int], row_numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """`exchange_values` as an int64 tensor."""
-    return torch.from_numpy(np.array(exchange_values(send, recv, row_numel, dtype), dtype=np.int64))
-
-
 @dataclass(frozen=True)
 class ExchangeSizes:
     """The sizes of an all-to-all that every rank agreed on."""
@@ -166,7 +161,7 @@ class ExchangeSizes:
 def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:
     """The agreed sizes; raises unless every rank sends each peer exactly what that peer expects.
 
-    `table[i]` is rank i's `exchange_row`. Every rank checks the same table in the same order,
+    `table[i]` is rank i's `exchange_values`. Every rank checks the same table in the same order,
     so all ranks raise the same error.
     """
     world = table.shape[0]

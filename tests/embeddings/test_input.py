@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchtpu
@@ -21,7 +22,6 @@ from embeddings import (
 )
 from embeddings.ops import BUFFERS
 from sparsecore.preprocess import PartitionLimitError
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 BATCH = 32
 

@@ -29,12 +29,15 @@ def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_device_after_import_torch_alone(tmp_path):
     # Its own lock directory: this test process may already hold tpu:0.
     result = _run("""
+        import sys
         import torch
         x = torch.ones(2, device="tpu")
-        print(torch.device("tpu"), x.device, torch.tpu.is_available(), type(x).__name__)
+        print(torch.device("tpu"), x.device, torch.tpu.is_available(), type(x).__name__,
+              "torch._dynamo" in sys.modules)
     """, env={"TORCHTPU_LOCK_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["tpu", "tpu:0", "True", "Tensor"]
+    # Registering the device does not import dynamo (seconds of every `import torch`).
+    assert result.stdout.split() == ["tpu", "tpu:0", "True", "Tensor", "False"]
 
 
 def test_torch_tpu_module():

@@ -35,11 +35,15 @@ _graph_ids = itertools.count()
 
 def _skip_backend_frames() -> None:
     """Dynamo must not trace the backend's own Python (torchtpu's kernels, JAX) when a compiled
-    function runs tpu ops eagerly after a graph break."""
+    function runs tpu ops eagerly after a graph break -- except a JAX kernel's call, which is
+    the op itself."""
     from torch._dynamo import trace_rules
+
+    from torchtpu.kernels.bridge import JaxKernel
 
     for module in ("torchtpu", "jax", "jaxlib"):
         trace_rules.add(module)
+    JaxKernel.trace_calls_under_dynamo()
 
 
 _skip_backend_frames()

@@ -119,18 +119,29 @@ class JaxKernel:
         if backward is not None:
             self._register_backward(backward)
 
-    # Dynamo skips torchtpu's frames (`torchtpu.exec.compile`); this one only calls the op, which
-    # must land in the traced graph instead of breaking it.
-    @torch._dynamo.dont_skip_tracing
     def __call__(self, *tensors: torch.Tensor, **static: Any) -> Any:
         return self.op(*tensors, **static)
 
-    @torch._dynamo.dont_skip_tracing
     def inplace(self, *tensors: torch.Tensor, **static: Any) -> None:
         """The in-place form: the outputs are written into the `mutates` tensors."""
         if self.inplace_op is None:
             raise TypeError(f"kernel {self.name} declares no mutated inputs (jax_kernel(..., mutates=...))")
         self.inplace_op(*tensors, **static)
+
+    _traced_by_dynamo = False
+
+    @classmethod
+    def trace_calls_under_dynamo(cls) -> None:
+        """Let dynamo trace into kernel calls while it skips torchtpu's frames (which
+        `torchtpu.exec.compile` makes it do): a call only runs the op, which must land in the
+        traced graph instead of breaking it. Applied by that module rather than here, because
+        `import torch` imports this one (the `torch.backends` entry point) and importing dynamo
+        costs seconds."""
+        if cls._traced_by_dynamo:
+            return
+        cls.__call__ = torch._dynamo.dont_skip_tracing(cls.__call__)
+        cls.inplace = torch._dynamo.dont_skip_tracing(cls.inplace)
+        cls._traced_by_dynamo = True
 
     def _define_inplace(self, lib: torch.library.Library, op_name: str, mutates: tuple[str, ...]):
         """Define `<op_name>_`, writing the outputs into the tensors `mutates` names. Its tpu kernel

@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import tempfile
-import time
 from typing import Callable
-
-import torch.multiprocessing as mp
 
 import stand_in
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(fn: Callable, world_size: int, *args, layout: str = "one_host", timeout: float = 240.0) -> None:
-    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; raise on any failure."""
+    """Run `fn(rank, world_size, *args)` in `world_size` processes; raise on any failure."""
     assert layout in ("one_host", "host_per_rank"), layout
     with tempfile.TemporaryDirectory(prefix="tpu-dist-test-locks-") as lock_root:
-        context = mp.start_processes(
-            _entry,
-            args=(fn, world_size, _free_port(), lock_root, layout, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise AssertionError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout} s")
+        stand_in.run_ranks(_entry, (fn, world_size, stand_in.free_port(), lock_root, layout, args), world_size,
+                           timeout, fn.__name__)
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, lock_root: str, layout: str, args: tuple) -> None:

@@ -9,6 +9,12 @@ process count. The baseline is what a user would otherwise run on this machine: 
 Each measurement runs in a fresh process; the script prints examples/s per configuration and
 the ratio to TorchRec's. A script, not a test: nothing asserts.
 
+It also prints the machine's compute ceiling for the model: the matmul FLOPs of one step
+(forward and backward, counted by `torch.utils.flop_counter` on the CPU model) over the fp32
+matmul rate this machine reaches (a large torch matmul). The examples/s that gives is what a
+step made of nothing but those matmuls, at that rate, would reach: at this scale the dense layers
+are most of the step, so no implementation on these cores gets far past it.
+
     python benchmarks/dlrm_throughput.py [--size mlperf] [--steps 30] [--modes strict defer compiled]
 """
 
@@ -42,14 +48,18 @@ def main() -> None:
         return
     print(f"DLRM-DCN '{args.size}', tables with {args.table_optimizer}, 1 process, {args.steps} timed steps; "
           f"load average {os.getloadavg()[0]:.1f}")
-    baseline = _in_subprocess("torchrec", args)
+    baseline = _in_subprocess("torchrec", args)["examples_per_second"]
     print(f"  TorchRec DMP on CPU (FBGEMM, gloo): {baseline:10,.0f} examples/s")
+    ceiling = _in_subprocess("ceiling", args)
+    print(f"  compute ceiling: {ceiling['gflop_per_step']:.1f} GFLOP of matmuls a step at this machine's fp32 "
+          f"matmul rate, {ceiling['gflops']:.0f} GFLOP/s: at most {ceiling['examples_per_second']:,.0f} "
+          f"examples/s ({ceiling['examples_per_second'] / baseline:.2f}x TorchRec)")
     for mode in args.modes:
-        rate = _in_subprocess(f"tpu:{mode}", args)
+        rate = _in_subprocess(f"tpu:{mode}", args)["examples_per_second"]
         print(f"  tpu, {mode:8s}: {rate:10,.0f} examples/s  ({rate / baseline:.2f}x TorchRec)")
 
 
-def _in_subprocess(what: str, args: argparse.Namespace) -> float:
+def _in_subprocess(what: str, args: argparse.Namespace) -> dict:
     # As a module from the checkout: benchmarks/sparsecore.py would shadow the sparsecore package.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHTPU_NUM_DEVICES": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -59,7 +69,7 @@ def _in_subprocess(what: str, args: argparse.Namespace) -> float:
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not results:
         raise RuntimeError(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(results[-1][len("RESULT "):])["examples_per_second"]
+    return json.loads(results[-1][len("RESULT "):])
 
 
 def _measure(what: str, size: str, steps: int, table_optimizer: str) -> dict:
@@ -71,6 +81,8 @@ def _measure(what: str, size: str, steps: int, table_optimizer: str) -> dict:
     batches = [stream.train_batch(step) for step in range(CYCLED_BATCHES)]
     if what == "torchrec":
         return _torchrec(config, batches, steps)
+    if what == "ceiling":
+        return _ceiling(config, batches[0])
     _, mode = what.split(":")
     return _tpu(config, batches, steps, mode)
 
@@ -151,6 +163,29 @@ def _torchrec(config, batches: list, steps: int) -> dict:
     seconds = time.perf_counter() - start
     dist.destroy_process_group()
     return {"examples_per_second": steps * config.batch_size / seconds}
+
+
+def _ceiling(config, batch) -> dict:
+    """Matmul FLOPs of a training step (the CPU model's forward and backward) and the fp32 matmul
+    rate of this machine, and the examples/s they allow."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from torchrec_plugin.dlrm.model import reference
+
+    model, _ = reference(config)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float()).backward()
+    flops = counter.get_total_flops()
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    rate = 10 * 2 * 2048**3 / (time.perf_counter() - start)
+    return {"gflop_per_step": flops / 1e9, "gflops": rate / 1e9,
+            "examples_per_second": config.batch_size * rate / flops}
 
 
 def _free_port() -> int:

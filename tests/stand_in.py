@@ -38,6 +38,7 @@ every rank still brings its own up, with the environment its entry sets."""
 
 
 def free_port() -> int:
+    """A TCP port free on this host now (for the ranks' rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

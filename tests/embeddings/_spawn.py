@@ -1,7 +1,8 @@
 """Starting stand-in hosts for the embedding tests (`stand_in.run_ranks`): each process is its own
 host (its own device lock directory) with `devices` virtual devices, its environment set before
-anything starts jax, and torchrun's variables for torch.distributed. A process's exception fails the test with its
-traceback; processes still running at the deadline are killed and the test fails."""
+anything starts jax, and torchrun's variables for torch.distributed. A process's exception fails
+the test with its traceback; processes still running at the deadline are killed and the test
+fails."""
 
 from __future__ import annotations
 

@@ -59,10 +59,17 @@ def _host_memory(array, shape: torch.Size) -> torch.Tensor:
     `array` itself: the export's reference to the object it was given is dropped only when the
     runtime next collects its garbage, and a host view must leave the reference count of the
     storage's own array alone (`claim` reads it)."""
-    array.block_until_ready()
-    if not array.is_fully_replicated:  # spread over devices: jax's own export raises why
+    single = _single_buffer(array)
+    if single is None:  # spread over devices: jax's own export raises why
         return torch._C._from_dlpack(array.__dlpack__())
-    return _over(array._fully_replicated_shard(), shape)
+    return _over(single, shape)
+
+
+def _single_buffer(array):
+    """The CPU-platform `array`'s buffer, once ready, as a single-device array; None when the
+    array is spread over devices."""
+    array.block_until_ready()
+    return array._fully_replicated_shard() if array.is_fully_replicated else None
 
 
 def _over(array, shape: torch.Size) -> torch.Tensor:
@@ -222,11 +229,12 @@ class _Staging:
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor with `t`'s value that gloo reads: its device memory, where that is host
+        memory and one buffer."""
         if t.numel() and runtime.runtime().platform == "cpu":
-            array = memory.to_array(t)
-            array.block_until_ready()
-            if array.is_fully_replicated:
-                return self._lend(array._fully_replicated_shard(), t)
+            single = _single_buffer(memory.to_array(t))
+            if single is not None:
+                return self._lend(single, t)
         host = host_view(t)
         self.held.append(host)
         return _borrowed(host)

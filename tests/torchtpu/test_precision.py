@@ -165,3 +165,85 @@ def test_modes_compile_separately():
     reference = a.cpu().double() @ b.cpu().double()
     errors = [_relative_error(results[m], reference) for m in PASSES]
     assert errors[0] > errors[1] > errors[2]
+
+
+# Operand layouts of a pass that the native bf16 form rearranges (see precision._row_major_bf16_dot).
+DOT_LAYOUTS = {
+    "x @ w": ((64, 96), (96, 48), (((1,), (0,)), ((), ()))),
+    "x @ w.t()": ((64, 96), (48, 96), (((1,), (1,)), ((), ()))),
+    "g.t() @ x": ((96, 64), (96, 48), (((0,), (0,)), ((), ()))),
+    "bmm": ((4, 32, 16), (4, 16, 8), (((2,), (1,)), ((0,), (0,)))),
+    "bmm, left transposed": ((4, 16, 32), (4, 16, 8), (((1,), (1,)), ((0,), (0,)))),
+    "matrix-vector": ((64, 96), (96,), (((1,), (0,)), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("mode", PASSES)
+@pytest.mark.parametrize("case", DOT_LAYOUTS)
+def test_native_and_widened_bf16_passes_agree(monkeypatch, mode, case):
+    """The CPU stand-in's two forms of a pass -- XLA:CPU's native bf16 dot, and the bf16 parts
+    widened to fp32 -- compute the same exact products: they agree up to fp32 accumulation
+    order in every mode and operand layout, and `default` equals the float64 product of the
+    bf16-rounded inputs."""
+    import numpy as np
+
+    from torchtpu import precision
+
+    lhs, rhs, dims = DOT_LAYOUTS[case]
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(lhs, np.float32), rng.standard_normal(rhs, np.float32)
+    results = {}
+    for native in (False, True):
+        monkeypatch.setattr(precision, "host_has_bf16_dot", lambda native=native: native)
+        product = jax.jit(lambda x, y: precision.dot_general(x, y, dims, mode, "cpu"))
+        results[native] = np.asarray(product(a, b), np.float64)
+    scale = np.abs(results[False]).max()
+    np.testing.assert_allclose(results[True], results[False], rtol=0, atol=2e-6 * scale)
+    if mode == "default":
+        rounded = [np.asarray(jax.numpy.asarray(x).astype(jax.numpy.bfloat16), np.float64) for x in (a, b)]
+        exact = np.asarray(jax.lax.dot_general(*(jax.numpy.asarray(x, np.float32) for x in rounded), dims,
+                                               precision=jax.lax.Precision.HIGHEST), np.float64)
+        np.testing.assert_allclose(results[True], exact, rtol=0, atol=2e-6 * scale)
+
+
+def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """Element types of the two operands of every `dot` in an optimized HLO module."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [(types[x], types[y]) for x, y in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+
+
+@pytest.mark.skipif(not __import__("torchtpu.precision").precision.host_has_bf16_dot(),
+                    reason="this host's CPU has no native bf16 dot: passes are widened to fp32")
+@pytest.mark.parametrize("case", ["x @ w.t()", "g.t() @ x", "bmm, left transposed"])
+def test_transposed_operands_keep_the_native_bf16_dot(case):
+    """XLA:CPU widens a bf16 dot to fp32 (a third of the speed) when an operand arrives
+    transposed; the native form copies it row-major instead, so every dot reads bf16."""
+    import numpy as np
+
+    from torchtpu import precision
+
+    lhs, rhs, dims = DOT_LAYOUTS[case]
+    (lc, rc), batch = dims
+    # The operands as a lowering sees them: produced by a transpose (a view), as `w.t()` is.
+    flip = {"x @ w.t()": (False, True), "g.t() @ x": (True, False), "bmm, left transposed": (True, False)}[case]
+
+    def transposed(x, yes):
+        return jax.numpy.swapaxes(x, -1, -2) if yes else x
+
+    def program(x, y):
+        return precision.dot_general(transposed(x, flip[0]), transposed(y, flip[1]), dims, "default", "cpu")
+
+    a, b = transposed(np.ones(lhs, np.float32), flip[0]), transposed(np.ones(rhs, np.float32), flip[1])
+    hlo = jax.jit(program).lower(a, b).compile().as_text()
+    operands = _dot_operand_types(hlo)
+    assert operands and all(t == ("bf16", "bf16") for t in operands), operands
+
+
+def test_bf16_dot_override_is_checked(monkeypatch):
+    from torchtpu import precision
+
+    monkeypatch.setenv("TORCHTPU_CPU_BF16_DOT", "yes")
+    with pytest.raises(ValueError, match="TORCHTPU_CPU_BF16_DOT must be 0 or 1"):
+        precision.host_has_bf16_dot.__wrapped__()
+    monkeypatch.setenv("TORCHTPU_CPU_BF16_DOT", "0")
+    assert precision.host_has_bf16_dot.__wrapped__() is False

@@ -21,15 +21,22 @@ ratios (steps of one round ran under the same load; a median of medians would pa
 under different loads). The load average (1 minute) is printed after each configuration, since
 other processes on a small machine move every number.
 
-    .venv/bin/python -m benchmarks.sparsecore [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
+    python benchmarks/sparsecore.py [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script, this file's directory comes first on sys.path, where this file would
+    # stand in for the `sparsecore` package it measures.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import jax
 import jax.numpy as jnp

@@ -158,7 +158,12 @@ class SparseCorePreprocessor:
         values = kjt.values().detach().to(cpu)
         all_lengths = kjt.lengths().detach().to(cpu)
         weights = weights.detach().to(cpu) if self.weighted else None
-        offsets = np.cumsum([0, *kjt.length_per_key()])
+        # The per-key totals from the lengths already on the host: `kjt.length_per_key()` would
+        # sum them on the device, and reading that sum waits for all queued device work.
+        per_key = kjt.length_per_key_or_none()
+        if per_key is None:
+            per_key = all_lengths.view(len(keys), self.batch_size).sum(1).tolist()
+        offsets = np.cumsum([0, *per_key])
         ragged, lengths, ids = {}, {}, {}
         for index, key in enumerate(keys):
             start, stop = int(offsets[index]), int(offsets[index + 1])

@@ -10,15 +10,17 @@ stand-in: large blocks come from the heap (no mmap), the heap is never trimmed, 
 serves every thread (a block freed by one XLA worker is reused by the next that allocates). The
 process then keeps its peak memory, as a device's memory pool does.
 
-The runtime installs it before JAX starts its threads, on glibc hosts, and removes it if the
-platform turns out to be a TPU (UNTESTED: no TPU here), whose device memory is not the host's.
-`TORCHTPU_HOST_MEMORY_POOL=0` keeps glibc's behaviour.
+The runtime installs it before JAX starts its threads, on glibc hosts without a TPU runtime
+(`libtpu`), and takes back the heap settings if the platform still turns out to be a TPU
+(UNTESTED: no TPU here), whose device memory is not the host's. `TORCHTPU_HOST_MEMORY_POOL=0`
+keeps glibc's behaviour.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 
 __all__ = ["install", "installed", "uninstall"]
@@ -26,7 +28,7 @@ __all__ = ["install", "installed", "uninstall"]
 _ENV = "TORCHTPU_HOST_MEMORY_POOL"
 # mallopt parameters (glibc's malloc.h) and glibc's defaults for them.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536, _M_ARENA_MAX: 0}
+_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
 _POOL = {_M_TRIM_THRESHOLD: 2**31 - 1, _M_MMAP_MAX: 0, _M_ARENA_MAX: 1}
 
 _installed = False
@@ -60,13 +62,14 @@ def _apply(settings: dict[int, int]) -> bool:
 def install() -> bool:
     """Keep freed host memory in the process (see the module docstring); whether it applies."""
     global _installed
-    if not _installed and _wanted():
+    if not _installed and _wanted() and importlib.util.find_spec("libtpu") is None:
         _installed = _apply(_POOL)
     return _installed
 
 
 def uninstall() -> None:
-    """Back to glibc's defaults (for a process whose device is not host memory)."""
+    """glibc's defaults again for large blocks and trimming (for a process whose device is not
+    host memory). The one arena stays: glibc fixes the arena count at first use."""
     global _installed
     if _installed:
         _apply(_DEFAULTS)

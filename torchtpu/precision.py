@@ -123,11 +123,17 @@ def host_has_bf16_dot() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=None):
-    """`lax.dot_general` with TPU matmul precision semantics for floating-point inputs."""
+def dot_general(a, b, dimension_numbers, mode: str, platform: str, out_dtype=None, *,
+                rhs_transposed: bool = False):
+    """`lax.dot_general` with TPU matmul precision semantics for floating-point inputs.
+    `rhs_transposed`: `b` is the transpose (last two dimensions) of a row-major array, such as a
+    `w.t()` view, a layout hint for the CPU stand-in's bf16 dot."""
     native = platform != "tpu" and host_has_bf16_dot()
-    op = functools.partial(_row_major_bf16_dot if native else lax.dot_general,
-                           dimension_numbers=dimension_numbers)
+    if native:
+        op = functools.partial(_row_major_bf16_dot, dimension_numbers=dimension_numbers,
+                               rhs_transposed=rhs_transposed)
+    else:
+        op = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers)
     return bilinear(op, a, b, mode, platform, out_dtype, native_bf16=native)
 
 
@@ -137,14 +143,16 @@ def _row_major(x):
     return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
 
-def _row_major_bf16_dot(a, b, dimension_numbers, **kwargs):
+def _row_major_bf16_dot(a, b, dimension_numbers, rhs_transposed: bool = False, **kwargs):
     """`lax.dot_general` of bf16 operands, shaped for XLA:CPU's native bf16 dot.
 
-    That kernel (YNNPACK) takes row-major operands, the left one contracting its last dimension;
-    XLA:CPU widens any other bf16 dot to fp32 -- a transposed weight (`x @ w.t()`), a weight
-    gradient (`g.t() @ x`) -- at a third of the speed. A matmul with leading batch dimensions,
-    one free and one contracting dimension per operand is rearranged (the left operand copied
-    into that form); other shapes go to `lax.dot_general` as they are.
+    That kernel (YNNPACK) takes row-major operands, the left one contracting its last dimension,
+    the right one either; XLA:CPU widens any other bf16 dot to fp32 -- a transposed weight
+    (`x @ w.t()`), a weight gradient (`g.t() @ x`) -- at a third of the speed. A matmul with
+    leading batch dimensions, one free and one contracting dimension per operand is rearranged:
+    the left operand copied into that form, the right one read as stored when `rhs_transposed`
+    says it is a transpose (XLA cancels the two transposes; `w.t()` costs no copy), else copied
+    row-major as it is. Other shapes go to `lax.dot_general` as they are.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     batch = tuple(range(len(lhs_batch)))
@@ -155,7 +163,11 @@ def _row_major_bf16_dot(a, b, dimension_numbers, **kwargs):
     (contract,) = lhs_contract
     if contract != a.ndim - 1:
         a = lax.transpose(a, (*batch, a.ndim - 1, contract))
-    dimension_numbers = (((a.ndim - 1,), tuple(rhs_contract)), (batch, batch))
+    (rhs_dim,) = rhs_contract
+    if rhs_transposed:
+        b = jnp.swapaxes(b, -1, -2)
+        rhs_dim = 2 * b.ndim - 3 - rhs_dim  # the other of the last two dimensions
+    dimension_numbers = (((a.ndim - 1,), (rhs_dim,)), (batch, batch))
     return lax.dot_general(_row_major(a), _row_major(b), dimension_numbers, **kwargs)
 
 

@@ -183,8 +183,9 @@ DOT_LAYOUTS = {
 def test_native_and_widened_bf16_passes_agree(monkeypatch, mode, case):
     """The CPU stand-in's two forms of a pass -- XLA:CPU's native bf16 dot, and the bf16 parts
     widened to fp32 -- compute the same exact products: they agree up to fp32 accumulation
-    order in every mode and operand layout, and `default` equals the float64 product of the
-    bf16-rounded inputs."""
+    order in every mode and operand layout, with or without the hint that the right operand is
+    a transposed view (a layout hint: right or wrong, the value is the same), and `default`
+    equals the float64 product of the bf16-rounded inputs."""
     import numpy as np
 
     from torchtpu import precision
@@ -193,12 +194,14 @@ def test_native_and_widened_bf16_passes_agree(monkeypatch, mode, case):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(lhs, np.float32), rng.standard_normal(rhs, np.float32)
     results = {}
-    for native in (False, True):
+    for native, hint in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(precision, "host_has_bf16_dot", lambda native=native: native)
-        product = jax.jit(lambda x, y: precision.dot_general(x, y, dims, mode, "cpu"))
-        results[native] = np.asarray(product(a, b), np.float64)
-    scale = np.abs(results[False]).max()
-    np.testing.assert_allclose(results[True], results[False], rtol=0, atol=2e-6 * scale)
+        product = jax.jit(lambda x, y: precision.dot_general(x, y, dims, mode, "cpu", rhs_transposed=hint))
+        results[native, hint] = np.asarray(product(a, b), np.float64)
+    scale = np.abs(results[False, False]).max()
+    for hint in (False, True):
+        np.testing.assert_allclose(results[True, hint], results[False, False], rtol=0, atol=2e-6 * scale)
+    results[True] = results[True, False]
     if mode == "default":
         rounded = [np.asarray(jax.numpy.asarray(x).astype(jax.numpy.bfloat16), np.float64) for x in (a, b)]
         exact = np.asarray(jax.lax.dot_general(*(jax.numpy.asarray(x, np.float32) for x in rounded), dims,
@@ -247,3 +250,24 @@ def test_bf16_dot_override_is_checked(monkeypatch):
         precision.host_has_bf16_dot.__wrapped__()
     monkeypatch.setenv("TORCHTPU_CPU_BF16_DOT", "0")
     assert precision.host_has_bf16_dot.__wrapped__() is False
+
+
+@pytest.mark.skipif(not __import__("torchtpu.precision").precision.host_has_bf16_dot(),
+                    reason="this host's CPU has no native bf16 dot: passes are widened to fp32")
+def test_a_transposed_weight_view_is_read_as_stored():
+    """`x @ w.t()` (every `nn.Linear`): the mm lowering sees from `w.t()`'s strides that it is a
+    transposed view, so the stand-in's bf16 dot reads `w` as stored -- no transpose, no copy."""
+    x, w = torch.randn(64, 96, device="tpu"), torch.randn(48, 96, device="tpu")
+    rounded = [t.cpu().bfloat16().double() for t in (x, w)]  # `default`: bf16 products
+    torch.testing.assert_close((x @ w.t()).cpu().double(), rounded[0] @ rounded[1].t(), rtol=1e-5, atol=1e-5)
+    for key, executable in reversed(list(eager._cache.items())):
+        if key[0] is aten.mm.default:
+            storages = key[3]
+            inputs = [jax.ShapeDtypeStruct((storages[i].numel,), dtypes.to_jax(storages[i].dtype))
+                      for i in executable.program.inputs]
+            hlo = executable.jitted.lower(*inputs).compile().as_text()
+            break
+    else:
+        raise AssertionError("no eager program for aten.mm")
+    assert _dot_operand_types(hlo) == [("bf16", "bf16")]
+    assert not re.search(r" (transpose|copy)\(", hlo), hlo

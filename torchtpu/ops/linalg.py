@@ -30,11 +30,23 @@ _MV = (((1,), (0,)), ((), ()))
 _DOT = (((0,), (0,)), ((), ()))
 
 
-def product(ctx, a, b, dimension_numbers):
-    """`a`·`b` in the call's precision mode, in opmath dtype (float32 for bf16/f16 results)."""
+def product(ctx, a, b, dimension_numbers, b_arg: str | None = None):
+    """`a`·`b` in the call's precision mode, in opmath dtype (float32 for bf16/f16 results).
+    `b_arg`: the schema argument `b` comes from, whose strides tell whether it is a transposed
+    view (`w.t()`), which the stand-in's bf16 dot can then read as stored."""
     return precision.dot_general(
-        a, b, dimension_numbers, ctx.precision, ctx.platform, opmath(ctx.out_dtype())
+        a, b, dimension_numbers, ctx.precision, ctx.platform, opmath(ctx.out_dtype()),
+        rhs_transposed=b_arg is not None and _transposed(ctx.arg(b_arg)),
     )
+
+
+def _transposed(meta) -> bool:
+    """Whether a matrix (or batch of matrices) is stored with its last two dimensions swapped,
+    as `w.t()` or `x.transpose(-1, -2)` of a contiguous tensor is."""
+    if not isinstance(meta, torch.Tensor) or meta.dim() < 2:
+        return False
+    rows, cols = meta.shape[-2:]
+    return rows > 1 and cols > 1 and meta.stride(-2) == 1 and meta.stride(-1) == rows
 
 
 def _accumulate(ctx, self, prod, beta, alpha):
@@ -48,12 +60,12 @@ def _accumulate(ctx, self, prod, beta, alpha):
 
 @registry.register(aten.mm.default)
 def mm(ctx, a, b):
-    return product(ctx, a, b, _MM)
+    return product(ctx, a, b, _MM, "mat2")
 
 
 @registry.register(aten.bmm.default)
 def bmm(ctx, a, b):
-    return product(ctx, a, b, _BMM)
+    return product(ctx, a, b, _BMM, "mat2")
 
 
 @registry.register(aten.mv.default)
@@ -69,7 +81,7 @@ def dot(ctx, a, b):
 
 @registry.register(aten.addmm.default)
 def addmm(ctx, self, a, b, *, beta=1, alpha=1):
-    return _accumulate(ctx, self, product(ctx, a, b, _MM), beta, alpha)
+    return _accumulate(ctx, self, product(ctx, a, b, _MM, "mat2"), beta, alpha)
 
 
 @registry.register(aten.addmv.default)
@@ -79,7 +91,7 @@ def addmv(ctx, self, a, v, *, beta=1, alpha=1):
 
 @registry.register(aten.baddbmm.default)
 def baddbmm(ctx, self, a, b, *, beta=1, alpha=1):
-    return _accumulate(ctx, self, product(ctx, a, b, _BMM), beta, alpha)
+    return _accumulate(ctx, self, product(ctx, a, b, _BMM, "batch2"), beta, alpha)
 
 
 @registry.register(aten.addbmm.default)

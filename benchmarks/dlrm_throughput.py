@@ -10,10 +10,11 @@ Each measurement runs in a fresh process; the script prints examples/s per confi
 the ratio to TorchRec's. A script, not a test: nothing asserts.
 
 It also prints the machine's compute ceiling for the model: the matmul FLOPs of one step
-(forward and backward, counted by `torch.utils.flop_counter` on the CPU model) over the fp32
-matmul rate this machine reaches (a large torch matmul). The examples/s that gives is what a
-step made of nothing but those matmuls, at that rate, would reach: at this scale the dense layers
-are most of the step, so no implementation on these cores gets far past it.
+(forward and backward, counted by `torch.utils.flop_counter` on the CPU model) over the matmul
+rate this machine reaches (one large matmul): in fp32, as TorchRec computes, and with bf16
+products accumulated in fp32 (XLA:CPU), as the tpu modes' `default` precision computes. The
+examples/s that gives is what a step made of nothing but those matmuls, at that rate, would
+reach.
 
     python benchmarks/dlrm_throughput.py [--size mlperf] [--steps 30] [--modes strict defer compiled]
 """
@@ -51,9 +52,12 @@ def main() -> None:
     baseline = _in_subprocess("torchrec", args)["examples_per_second"]
     print(f"  TorchRec DMP on CPU (FBGEMM, gloo): {baseline:10,.0f} examples/s")
     ceiling = _in_subprocess("ceiling", args)
-    print(f"  compute ceiling: {ceiling['gflop_per_step']:.1f} GFLOP of matmuls a step at this machine's fp32 "
-          f"matmul rate, {ceiling['gflops']:.0f} GFLOP/s: at most {ceiling['examples_per_second']:,.0f} "
-          f"examples/s ({ceiling['examples_per_second'] / baseline:.2f}x TorchRec)")
+    print(f"  compute ceiling: {ceiling['gflop_per_step']:.1f} GFLOP of matmuls a step; at this machine's matmul "
+          "rate that is at most")
+    for name, label in (("fp32", "fp32 (TorchRec's math)"), ("bf16", "bf16 products (tpu default precision)")):
+        rate = ceiling[name]
+        print(f"    {label:40s} {rate['gflops']:6.0f} GFLOP/s: {rate['examples_per_second']:10,.0f} examples/s "
+              f"({rate['examples_per_second'] / baseline:.2f}x TorchRec)")
     for mode in args.modes:
         rate = _in_subprocess(f"tpu:{mode}", args)["examples_per_second"]
         print(f"  tpu, {mode:8s}: {rate:10,.0f} examples/s  ({rate / baseline:.2f}x TorchRec)")
@@ -166,8 +170,11 @@ def _torchrec(config, batches: list, steps: int) -> dict:
 
 
 def _ceiling(config, batch) -> dict:
-    """Matmul FLOPs of a training step (the CPU model's forward and backward) and the fp32 matmul
-    rate of this machine, and the examples/s they allow."""
+    """Matmul FLOPs of a training step (the CPU model's forward and backward) and the matmul rates
+    of this machine -- fp32 (torch) and bf16 products with fp32 accumulation (XLA:CPU) -- and the
+    examples/s they allow."""
+    import jax
+    import jax.numpy as jnp
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -178,14 +185,20 @@ def _ceiling(config, batch) -> dict:
         logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
         torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float()).backward()
     flops = counter.get_total_flops()
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    rate = 10 * 2 * 2048**3 / (time.perf_counter() - start)
-    return {"gflop_per_step": flops / 1e9, "gflops": rate / 1e9,
-            "examples_per_second": config.batch_size * rate / flops}
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    bf16_dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    x, y = (jnp.asarray(t.numpy(), jnp.bfloat16) for t in (a, b))
+    runs = {"fp32": lambda: a @ b, "bf16": lambda: bf16_dot(x, y).block_until_ready()}
+    result: dict = {"gflop_per_step": flops / 1e9}
+    for name, run in runs.items():
+        run()
+        start = time.perf_counter()
+        for _ in range(10):
+            run()
+        rate = 10 * 2 * n**3 / (time.perf_counter() - start)
+        result[name] = {"gflops": rate / 1e9, "examples_per_second": config.batch_size * rate / flops}
+    return result
 
 
 def _free_port() -> int:

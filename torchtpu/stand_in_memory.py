@@ -56,7 +56,8 @@ def _apply(settings: dict[int, int]) -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings.items())
+    applied = [mallopt(parameter, value) == 1 for parameter, value in settings.items()]
+    return all(applied)
 
 
 def install() -> bool:

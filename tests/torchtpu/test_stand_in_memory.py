@@ -17,7 +17,7 @@ def step():
 for _ in range(8):  # the heap reaches its steady size
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+for _ in range(10):
     step()
 import torchtpu.stand_in_memory as pool
 print(pool.installed(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -36,9 +36,11 @@ def test_a_steady_loop_reuses_device_memory_without_page_faults():
     installed, faults = _faults("1")
     glibc_installed, glibc_faults = _faults("0")
     assert installed and not glibc_installed
-    # 5 steps of three 48 MiB results: ~180k first-touch faults when each block is a fresh mmap.
-    assert glibc_faults > 100_000, glibc_faults
-    assert faults < 1_000, faults
+    # 10 steps of three 48 MiB results: ~370k first-touch faults when each block is a fresh mmap.
+    assert glibc_faults > 200_000, glibc_faults
+    # With the pool, most steps fault on nothing; now and then the heap still grows by a block
+    # (12,288 faults), as the order in which XLA's threads free blocks varies.
+    assert faults * 10 < glibc_faults, (faults, glibc_faults)
 
 
 def test_pool_switch_is_checked(monkeypatch):

@@ -12,7 +12,8 @@ the ratio to TorchRec's. A script, not a test: nothing asserts.
 It also prints the machine's compute ceiling for the model: the matmul FLOPs of one step
 (forward and backward, counted by `torch.utils.flop_counter` on the CPU model) over the matmul
 rate this machine reaches (one large matmul): in fp32, as TorchRec computes, and with bf16
-products accumulated in fp32 (XLA:CPU), as the tpu modes' `default` precision computes. The
+products accumulated in fp32, as the tpu modes' `default` precision computes them on this host
+(XLA:CPU's bf16 dot, or widened to fp32 where the CPU has no bf16 instructions). The
 examples/s that gives is what a step made of nothing but those matmuls, at that rate, would
 reach.
 
@@ -179,6 +180,7 @@ def _ceiling(config, batch) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from torchrec_plugin.dlrm.model import reference
+    from torchtpu import precision
 
     model, _ = reference(config)
     with FlopCounterMode(display=False) as counter:
@@ -187,7 +189,12 @@ def _ceiling(config, batch) -> dict:
     flops = counter.get_total_flops()
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
-    bf16_dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    # A bf16 pass as the tpu modes run it on this host: XLA:CPU's bf16 dot where the CPU has
+    # bf16 instructions, else the bf16 values widened to fp32 (torchtpu.precision).
+    widen = not precision.host_has_bf16_dot()
+    bf16_dot = jax.jit(lambda x, y: jnp.dot(x.astype(jnp.float32) if widen else x,
+                                            y.astype(jnp.float32) if widen else y,
+                                            preferred_element_type=jnp.float32))
     x, y = (jnp.asarray(t.numpy(), jnp.bfloat16) for t in (a, b))
     runs = {"fp32": lambda: a @ b, "bf16": lambda: bf16_dot(x, y).block_until_ready()}
     result: dict = {"gflop_per_step": flops / 1e9}

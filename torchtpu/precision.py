@@ -105,7 +105,7 @@ def host_has_bf16_dot() -> bool:
 
     `TORCHTPU_CPU_BF16_DOT=0|1` overrides the detection (read once per process).
     """
-    forced = os.environ.get("TORCHTPU_CPU_BF16_DOT")
+    forced = os.environ.get("TORCHTPU_CPU_BF16_DOT") or None  # empty: not set
     if forced is not None:
         if forced not in ("0", "1"):
             raise ValueError(f"TORCHTPU_CPU_BF16_DOT must be 0 or 1, got {forced!r}")

@@ -333,6 +333,7 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         error_msgs: list[str],
     ) -> None:
         ours = {prefix + self._weight_key(c.name): c.name for c in self._configs}
+        loaded = {}
         for key, table in ours.items():
             if key not in state_dict:
                 missing_keys.append(key)
@@ -343,7 +344,8 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
                                   f"the table is {where.shape}")
                 continue
-            self._state.load_host(where, value.to("cpu", torch.float32).numpy())
+            loaded[where] = value.to("cpu", torch.float32).numpy()
+        self._state.load_host_tables(loaded)
         children = tuple(f"{prefix}{name}." for name in self._modules)
         unexpected_keys.extend(
             key for key in state_dict if key.startswith(prefix) and key not in ours and not key.startswith(children)

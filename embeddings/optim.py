@@ -99,13 +99,17 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         """Write the state `load_state_dict` copied into the last `state` snapshot to the device."""
+        slots, steps = {}, {}
         for table, key in self._keys.items():
             entries = self._snapshot.get(self._params[key])
             if entries is None:
                 continue
             for where in self.slots(table):
-                self._state.load_host(where, entries[f"{table}.{state_key(self._optimizer, where.slot)}"].numpy())
-            self._state.set_step_count(table, float(entries[f"{table}.{STEP_KEY}"]))
+                slots[where] = entries[f"{table}.{state_key(self._optimizer, where.slot)}"].numpy()
+            steps[table] = float(entries[f"{table}.{STEP_KEY}"])
+        self._state.load_host_tables(slots)
+        for table, step in steps.items():
+            self._state.set_step_count(table, step)
 
     def set_optimizer_step(self, step: int) -> None:
         """Set every table's update count (Adam's bias correction reads it)."""

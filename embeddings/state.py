@@ -113,8 +113,7 @@ class StackedState(nn.Module):
         self._hyperparameter_values = {name: float(getattr(self, f"hyper_{name}")) for name in values}
         self._slots_of = {name: tuple(s.name for s in engine.stacks[name].optimizer.slots()) for name in self._index}
         self._table_stack = {t: engine.stacks[s] for s in self._index for t in engine.stacks[s].table_names}
-        for table, init in host_initializers.items():
-            self._initialize_on_host(table, init)
+        self._initialize_on_host(host_initializers)
 
     def rebind(self, engine: SparseCoreEmbedding, computations: Mapping[str, StackComputation]) -> None:
         """Serve the same tables to another engine (e.g. laid out for another batch size): its
@@ -253,10 +252,25 @@ class StackedState(nn.Module):
             values = memory.torch_to_numpy(block.values).reshape(len(block.values), -1)
             local[block.start - first : block.start - first + len(values), : values.shape[1]] = values
         rows = jax.make_array_from_process_local_data(self._sharded, local, (padded, where.width))
-        self._write_rows(where, rows)
+        self._write_rows([(where, rows)])
 
     def load_host(self, where: TableSlot, values: np.ndarray) -> None:
         """Write a whole table slot given in TorchRec's shape (the same values on every process)."""
+        self.load_host_tables({where: values})
+
+    def load_host_tables(self, values: Mapping[TableSlot, np.ndarray]) -> None:
+        """Write whole table slots given in TorchRec's shapes (the same values on every process).
+
+        The slots of one stacked variable are written by one program: loading a model's tables
+        rewrites each stack once, not once per table (26 full copies of a stack at MLPerf's 26)."""
+        groups: dict[tuple[str, str | None], list[tuple[TableSlot, jax.Array]]] = {}
+        for where, value in values.items():
+            groups.setdefault((where.stack.name, where.slot), []).append((where, self._host_rows(where, value)))
+        for group in groups.values():
+            self._write_rows(group)
+
+    def _host_rows(self, where: TableSlot, values: np.ndarray) -> jax.Array:
+        """A whole table slot's values as its `[V', width]` rows, sharded like the rows."""
         values = np.asarray(values, dtype=np.float32)
         if values.shape != where.shape:
             raise ValueError(
@@ -265,21 +279,26 @@ class StackedState(nn.Module):
             )
         padded = np.zeros((self._padded_rows(where), where.width), np.float32)
         padded[: where.shape[0]] = values.reshape(where.shape[0], where.width)
-        rows = jax.make_array_from_callback(padded.shape, self._sharded, lambda index: padded[index])
-        self._write_rows(where, rows)
+        return jax.make_array_from_callback(padded.shape, self._sharded, lambda index: padded[index])
 
-    def _write_rows(self, where: TableSlot, rows: jax.Array) -> None:
-        variable = self._variable(where)
-        program = _place_program(where.stack, where.table, where.width, self._sharded)
-        updated = program(sharding.to_jax(variable), rows)
+    def _write_rows(self, group: list[tuple[TableSlot, jax.Array]]) -> None:
+        """Write each table slot's rows into their (common) stacked variable, in one program."""
+        variable = self._variable(group[0][0])
+        program = _place_program(group[0][0].stack, tuple((where.table, where.width) for where, _ in group),
+                                 self._sharded)
+        updated = program(sharding.to_jax(variable), *(rows for _, rows in group))
         with torch.no_grad():
             variable.copy_(sharding.from_jax(updated))
 
-    def _initialize_on_host(self, table: str, init: Callable[[torch.Tensor], object]) -> None:
-        where = self.table_slot(table, None)
-        values = torch.empty(where.shape, dtype=torch.float32)
-        init(values)
-        self.load_host(where, memory.torch_to_numpy(values))
+    def _initialize_on_host(self, initializers: Mapping[str, Callable[[torch.Tensor], object]]) -> None:
+        """Each table's weights from its initializer, run on a host tensor of TorchRec's shape."""
+        values = {}
+        for table, init in initializers.items():
+            where = self.table_slot(table, None)
+            host = torch.empty(where.shape, dtype=torch.float32)
+            init(host)
+            values[where] = memory.torch_to_numpy(host)
+        self.load_host_tables(values)
 
     # -- fixed in place; excluded from state_dict (the owner exposes per-table values) ---------
 
@@ -314,12 +333,17 @@ def _rows_program(
 
 
 @functools.lru_cache(maxsize=None)
-def _place_program(stack: StackedTable, table: str, width: int, out: NamedSharding) -> Callable[..., jax.Array]:
-    """`(stacked, rows [V', width]) -> stacked` with the table's rows written (padding kept)."""
-    vocabulary = stack.table(table).table.vocabulary_size
-    physical = physical_row_ids(stack, table)
+def _place_program(
+    stack: StackedTable, tables: tuple[tuple[str, int], ...], out: NamedSharding
+) -> Callable[..., jax.Array]:
+    """`(stacked, rows_1 [V_1', width_1], ...) -> stacked` with the rows of each `(table, width)`
+    written (padding kept)."""
+    places = [(physical_row_ids(stack, table), stack.table(table).table.vocabulary_size, width)
+              for table, width in tables]
 
-    def place(stacked: jax.Array, rows: jax.Array) -> jax.Array:
-        return stacked.at[jnp.asarray(physical), :width].set(rows[:vocabulary], unique_indices=True)
+    def place(stacked: jax.Array, *rows: jax.Array) -> jax.Array:
+        for (physical, vocabulary, width), values in zip(places, rows):
+            stacked = stacked.at[jnp.asarray(physical), :width].set(values[:vocabulary], unique_indices=True)
+        return stacked
 
     return jax.jit(place, out_shardings=out)

@@ -111,14 +111,15 @@ class ShardOptimizer(FusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         """Write the snapshot that `load_state_dict` filled into the SparseCore slots."""
-        state = self._collection.stacked_state
+        slots = {}
         for weight, layouts in self._layouts.items():
             entries = self._snapshot.get(weight)
             if entries is None:
                 raise RuntimeError("post_load_state_dict: no snapshot was loaded (read `state` first)")
             for layout in layouts:
                 for place, shard in zip(layout.places, entries[layout.key].local_shards()):
-                    state.load_host(place, shard.tensor.detach().numpy())
+                    slots[place] = shard.tensor.detach().numpy()
+        self._collection.stacked_state.load_host_tables(slots)
         self._snapshot = {}
 
     def set_optimizer_step(self, step: int) -> None:

@@ -14,8 +14,12 @@ import tempfile
 import pytest
 
 import stand_in  # tests/ is on sys.path (rootdir conftest)
+from torchtpu.runtime import stand_in_pool_size
 
-os.environ.setdefault("XLA_FLAGS", stand_in.xla_flags(8))
+STAND_IN_DEVICES = 8
+os.environ.setdefault("XLA_FLAGS", stand_in.xla_flags(STAND_IN_DEVICES))
+# XLA:CPU's thread pool, sized before any test starts JAX (sparsecore's tests do, without torchtpu).
+os.environ.setdefault("NPROC", str(stand_in_pool_size(STAND_IN_DEVICES)))
 os.environ.setdefault("TORCHTPU_NUM_DEVICES", "4")
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Each pytest-xdist worker is a host of its own (it holds its devices for the whole run).

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchtpu import device_guard, device_lock
+from torchtpu import device_guard, device_lock, stand_in_memory
 
 if TYPE_CHECKING:
     import jax
@@ -175,6 +175,8 @@ def _join_distributed() -> tuple[int, int]:
 def _start() -> Runtime:
     requested = _requested_device_count()
     _configure_host_platform(requested)
+    # Before JAX starts its threads: the stand-in's device memory is host memory.
+    stand_in_memory.install()
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -184,6 +186,8 @@ def _start() -> Runtime:
     except RuntimeError:
         tpus = []
     if tpus:
+        # UNTESTED (no TPU here): device memory is the TPU's own.
+        stand_in_memory.uninstall()
         devices = tuple(tpus[:requested] if requested else tpus)
         return Runtime("tpu", devices, process_index, process_count)
     cpus = jax.local_devices(backend="cpu")

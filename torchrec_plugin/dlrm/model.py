@@ -84,10 +84,16 @@ class DLRMTraining:
     device: torch.device
 
     def prepare(self, batch: Batch) -> PreparedBatch:
-        """A batch's transfer to the device (what the prefetching loader runs on its worker thread)."""
+        """A batch's transfer to the device (what the prefetching loader runs on its worker thread).
+
+        The KJT's per-key lengths are summed here, on the host, before it moves: the moved KJT
+        keeps them, and TorchRec's input dist (`dist_splits`) reads them as Python ints. Summed
+        on the device, each step would wait there for the previous step's programs to finish."""
+        sparse = batch.sparse_features
+        sparse.length_per_key()
         return PreparedBatch(
             dense=batch.dense_features.to(self.device),
-            sparse=batch.sparse_features.to(self.device),
+            sparse=sparse.to(self.device),
             labels=batch.labels.to(torch.float32).to(self.device),
         )
 

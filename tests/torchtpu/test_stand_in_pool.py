@@ -5,7 +5,7 @@ cores with four devices, two independent programs with collectives in flight -- 
 from one thread -- took every thread and waited on each other until XLA aborted the process
 (`test_dlrm` did so about once in 25 runs, its loader thread launching while the step ran). The
 runtime sizes the pool before JAX starts; a fresh process with the default pool deadlocks on the
-script below within a second, and finishes it with the runtime's."""
+script below (XLA aborts it after 40 s), and finishes it in about a second with the runtime's."""
 
 from __future__ import annotations
 

@@ -15,10 +15,13 @@ feature; on SparseCore a sequence feature's activations are a static `[samples, 
 block (`torchrec_plugin.sequence_lengths`), so its FUSED shards count that block, with the
 `max_seq_len` the sharder is given for the table.
 
-Perf (TorchRec's `Perf`, in ms) comes from the topology's bandwidths: the lookup reads one padded
-row per id and writes the pooled outputs (HBM bandwidth); the fused update reads and writes the
-touched rows and their slots; the collectives move ids and pooled outputs over ICI within a slice
-(DCN across slices); data-parallel tables all-reduce their gradients.
+Perf (TorchRec's `Perf`, in ms) comes from the topology's bandwidths: the lookup streams the
+shard's id buffers, reads one padded row per id and writes the pooled outputs (HBM bandwidth);
+row-split tables first bucketize their ids by row range; the fused update streams the id buffers
+again and reads and writes the touched rows and their slots; the collectives move ids and pooled
+outputs over ICI within a slice (DCN across slices); data-parallel tables all-reduce their
+gradients. On one device, where every sharding puts all rows in one place, these make the
+planner keep each table whole.
 """
 
 from __future__ import annotations
@@ -121,10 +124,16 @@ def shard_cost(option: ShardingOption, size: list[int], topology: TpuTopology,
     outputs = rows_out * padded_cols * _F32
     sent = (global_batch * features if pooled else global_batch * sum(option.input_lengths)) * cols * _F32
     row_bytes = padded_cols * _F32
+    # A row-split table's ids are bucketized by row range before they are sent (read and
+    # written once), and the host then reads the bucket counts back to size the all-to-all.
+    bucketize = 2 * ids * _ID_BYTES if option.sharding_type in _ROW_SPLIT else 0
+    # Each shard's lookup and update stream its id buffers, however narrow the shard: every
+    # column shard of a table reads all of the table's ids.
+    id_buffers = ids * _BUFFER_BYTES_PER_ID
     perf = Perf(
-        fwd_compute=(ids * row_bytes + outputs) / hbm_bw,
+        fwd_compute=(ids * row_bytes + id_buffers + outputs + bucketize) / hbm_bw,
         fwd_comms=sent / comms_bw,
-        bwd_compute=(ids * row_bytes * (2 + 2 * full) + ids * narrow * 2 * _F32 + outputs) / hbm_bw,
+        bwd_compute=(ids * row_bytes * (2 + 2 * full) + ids * narrow * 2 * _F32 + id_buffers + outputs) / hbm_bw,
         bwd_comms=sent / comms_bw,
         input_dist_comms=(ids * _ID_BYTES) / comms_bw,
     )

@@ -170,3 +170,21 @@ def test_a_narrow_table_under_a_row_wise_optimizer_keeps_its_sparsecore_options(
     planner = torchrec_plugin.planner(topology=topology, batch_size=BATCH, constraints=constraints)
     plan = planner.plan(_narrow(RowWiseAdagrad), torchrec_plugin.sharders())
     assert plan.plan[""]["t0"].sharding_type in {ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value}
+
+
+@pytest.mark.parametrize("chip", ["cpu", "v6e"])
+def test_one_device_keeps_every_table_whole(chip):
+    """On one device every sharding places all of a table's rows there. Splitting it only adds
+    work: a row-wise table bucketizes its ids (and the host waits for the counts), and each
+    column shard streams all of the table's ids again. So the planner keeps each table in one
+    shard (table-wise, or column-wise with one shard, which is the same placement). Before the
+    estimator counted either, it chose row-wise for all 26 tables of the mlperf DLRM."""
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value,
+                                                                 ShardingType.ROW_WISE.value,
+                                                                 ShardingType.COLUMN_WISE.value])
+                   for i in range(6)}
+    planner = torchrec_plugin.planner(topology=torchrec_plugin.topology(chip, world_size=1), batch_size=BATCH,
+                                      constraints=constraints)
+    planner.plan(mlperf_like((100_000, 40_000, 7_000, 1_000, 64, 3), dim=64), torchrec_plugin.sharders())
+    assert all(option.sharding_type != ShardingType.ROW_WISE.value and len(option.shards) == 1
+               for option in planner._best_plan), [(o.name, o.sharding_type, len(o.shards)) for o in planner._best_plan]

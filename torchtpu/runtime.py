@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 _NUM_DEVICES_ENV = "TORCHTPU_NUM_DEVICES"
 _FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _POOL_SIZE_ENV = "NPROC"  # XLA:CPU's thread pool size (default: the host's cores, at least one per device)
-LAUNCHING_THREADS = 3
-"""Threads that may launch programs spanning several devices at once, as the stand-in's thread
-pool is sized for (`stand_in_pool_size`): the caller's (or autograd's), a prefetching loader's,
-and one more."""
 
 
 class RuntimeConfigError(RuntimeError):
@@ -116,20 +112,22 @@ def _forced_host_device_count() -> int | None:
 
 
 def stand_in_pool_size(devices: int, processes: int = 1) -> int | None:
-    """The thread pool XLA:CPU needs so that the stand-in's collectives cannot starve; None where
-    no program runs a collective (one device, one process).
+    """The thread pool XLA:CPU needs so that the stand-in's collectives do not starve; None where
+    no program spans devices (one device, one process).
 
-    XLA:CPU runs every device's programs on one pool of max(cores, devices) threads. A program
-    spanning several devices runs a collective only when all its per-device parts hold a thread
-    at once, while the launch of each part waits, holding a thread, until its device has room
-    for another program in flight. With as many threads as devices, two collective programs in
-    flight, or one and the launches queued behind it, can take every thread and wait on each
-    other: XLA aborts after 40 s ("Termination timeout for `all reduce ...`"). Measured on 4
-    devices: one launching thread needs 8 threads, three need 16 -- devices x (launching threads
-    + 1). A real TPU runs collectives on its chips, not on a host pool; this is the stand-in's."""
+    XLA:CPU (xla/pjrt/cpu/cpu_client.cc) runs every device's programs on one pool of
+    max(cores, devices) threads. A program spanning devices runs one part per device, all holding
+    a thread at once while they meet in a collective; launching one schedules a task per device
+    that waits, holding a thread, while its device already has its limit of programs in flight;
+    and each device's own programs need threads too. With one thread per device, two independent
+    chains of collective programs launched from one thread deadlocked within seconds on 4 devices
+    (XLA aborts after 40 s: "Termination timeout for `all reduce ...`"); 8 threads were enough.
+    The pool gets twice that: devices x 4. (Programs spanning devices launched from two threads
+    at once can deadlock whatever the pool: `sharding.from_jax`, which the prefetching loader
+    runs, launches none.) A real TPU runs its programs on its chips, not on a host pool."""
     if devices * processes < 2:
         return None
-    return max(os.cpu_count() or 1, devices * (LAUNCHING_THREADS + 1))
+    return max(os.cpu_count() or 1, 4 * devices)
 
 
 def _configure_host_platform(requested: int | None) -> None:

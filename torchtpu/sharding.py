@@ -83,6 +83,25 @@ def replicated(value: "jax.Array") -> "jax.Array":
     return jax.device_put(value, NamedSharding(mesh(), P()))
 
 
+def _flat(array: "jax.Array") -> "jax.Array":
+    """`array` as the flat buffer of a sharded tensor (`flat_sharding`).
+
+    Where its rows are already split over the mesh, each device reshapes its own block: programs
+    of one device each, never one spanning the mesh. The prefetching loader makes sharded tensors
+    on its own thread while the step launches mesh-wide programs on another; two threads
+    launching mesh-wide programs at once can deadlock XLA:CPU, which lets the second program's
+    per-device launches take a device's last slots for programs in flight before the first
+    program's, and then the first waits for a slot held by programs queued behind it. Other
+    arrays are resharded by one mesh-wide program."""
+    import jax
+
+    target = flat_sharding()  # rows of the flat buffer over the mesh: P(AXIS) for any rank
+    if array.sharding.is_equivalent_to(target, array.ndim):
+        blocks = [shard.data.reshape(-1) for shard in array.addressable_shards]
+        return jax.make_array_from_single_device_arrays((array.size,), target, blocks)
+    return _flatten(target.mesh)(array)
+
+
 @functools.lru_cache(maxsize=None)
 def _flatten(mesh: "Mesh"):
     """The reshape of a row-sharded array into a sharded tensor's flat buffer, jitted once (per
@@ -108,8 +127,7 @@ def from_jax(array: "jax.Array") -> torch.Tensor:
 
     `array` must not be used after the call: in-place ops donate the tensor's buffer."""
     _check_rows(tuple(array.shape), "from_jax")
-    flat = _flatten(mesh())(array)
-    return _wrap(flat, dtypes.from_jax(array.dtype), tuple(array.shape))
+    return _wrap(_flat(array), dtypes.from_jax(array.dtype), tuple(array.shape))
 
 
 def to_jax(tensor: torch.Tensor) -> "jax.Array":
@@ -130,7 +148,7 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
 
     _check_rows(tuple(tensor.shape), "shard")
     if tensor.device.type == "tpu":
-        flat = _flatten(mesh())(memory.to_array(tensor))
+        flat = _flat(memory.to_array(tensor))
     else:
         host = memory.torch_to_numpy(tensor).reshape(-1)
         flat = jax.make_array_from_callback(host.shape, flat_sharding(), lambda index: np.array(host[index]))

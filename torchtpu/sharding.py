@@ -88,11 +88,11 @@ def _flat(array: "jax.Array") -> "jax.Array":
 
     Where its rows are already split over the mesh, each device reshapes its own block: programs
     of one device each, never one spanning the mesh. The prefetching loader makes sharded tensors
-    on its own thread while the step launches mesh-wide programs on another; two threads
-    launching mesh-wide programs at once can deadlock XLA:CPU, which lets the second program's
-    per-device launches take a device's last slots for programs in flight before the first
-    program's, and then the first waits for a slot held by programs queued behind it. Other
-    arrays are resharded by one mesh-wide program."""
+    on its own thread while the step launches mesh-wide programs on another, and two threads
+    launching mesh-wide programs at once deadlocked XLA:CPU whatever its thread pool (measured;
+    its source suggests the second program's per-device launches can take a device's last slots
+    for programs in flight before the first program's, which then waits for a slot held by
+    programs queued behind it). Other arrays are resharded by one mesh-wide program."""
     import jax
 
     target = flat_sharding()  # rows of the flat buffer over the mesh: P(AXIS) for any rank

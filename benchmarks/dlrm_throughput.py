@@ -13,7 +13,8 @@ It also prints the machine's compute ceiling for the model: the matmul FLOPs of 
 (forward and backward, counted by `torch.utils.flop_counter` on the CPU model) over the matmul
 rate this machine reaches (one large matmul): in fp32, as TorchRec computes, and with bf16
 products accumulated in fp32, as the tpu modes' `default` precision computes them on this host
-(XLA:CPU's bf16 dot, or widened to fp32 where the CPU has no bf16 instructions). The
+(`torchtpu.precision.dot_general` itself: fp32 inputs rounded to bf16, then XLA:CPU's bf16 dot,
+or widened to fp32 where the CPU has no bf16 instructions). The
 examples/s that gives is what a step made of nothing but those matmuls, at that rate, would
 reach.
 
@@ -189,13 +190,10 @@ def _ceiling(config, batch) -> dict:
     flops = counter.get_total_flops()
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
-    # A bf16 pass as the tpu modes run it on this host: XLA:CPU's bf16 dot where the CPU has
-    # bf16 instructions, else the bf16 values widened to fp32 (torchtpu.precision).
-    widen = not precision.host_has_bf16_dot()
-    bf16_dot = jax.jit(lambda x, y: jnp.dot(x.astype(jnp.float32) if widen else x,
-                                            y.astype(jnp.float32) if widen else y,
-                                            preferred_element_type=jnp.float32))
-    x, y = (jnp.asarray(t.numpy(), jnp.bfloat16) for t in (a, b))
+    # A `default`-precision product as the tpu modes compute it on this host (the one pass of
+    # torchtpu.precision: XLA:CPU's bf16 dot, or widened to fp32 without bf16 instructions).
+    bf16_dot = jax.jit(lambda x, y: precision.dot_general(x, y, (((1,), (0,)), ((), ())), "default", "cpu"))
+    x, y = (jnp.asarray(t.numpy()) for t in (a, b))
     runs = {"fp32": lambda: a @ b, "bf16": lambda: bf16_dot(x, y).block_until_ready()}
     result: dict = {"gflop_per_step": flops / 1e9}
     for name, run in runs.items():

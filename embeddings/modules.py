@@ -297,19 +297,36 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
             raise TypeError(f"expected a KeyedJaggedTensor or a SparseCoreBatch, got {type(features).__name__}")
         return self._preprocess(features)
 
-    def _feature_rows(self, batch: SparseCoreBatch) -> dict[str, torch.Tensor]:
-        """Each feature's activations for this process's samples: `[rows, dim]`, sample-major."""
+    def _stack_activations(self, batch: SparseCoreBatch) -> list[tuple[tuple[str, ...], tuple[int, ...], torch.Tensor]]:
+        """Per stack: its features' names and dims, and their activations for this process's
+        samples side by side, `[samples, sum of dims]`, sample-major.
+
+        A stack's lookup gives each local SparseCore its samples feature after feature. Regrouping
+        them by sample is one transpose when the features share a sample count and the stack's
+        dim (the common case), else one split and a copy per feature. Either way the backward
+        is a single op over the whole stack: slicing each feature out of the stack on its own
+        would make autograd add a zero-padded full-size gradient per feature."""
         local_sparsecores = self._state.engine.topology.local_sparsecores
-        out = {}
+        blocks = []
         for name, computation in self._computations.items():
             stack = computation.stack
             activations = process_rows(fused_lookup(computation, self._state, batch.buffers[name]))
             per_sparsecore = activations.view(local_sparsecores, stack.batch_size_per_sparsecore, stack.embedding_dim)
-            for placement in stack.features:
-                start, dim = placement.sample_offset_in_sparsecore, placement.feature.table.embedding_dim
-                rows = per_sparsecore[:, start : start + placement.samples_per_sparsecore, :dim]
-                out[placement.feature.name] = rows.reshape(-1, dim)
-        return out
+            names = tuple(p.feature.name for p in stack.features)
+            dims = tuple(p.feature.table.embedding_dim for p in stack.features)
+            samples = [p.samples_per_sparsecore for p in stack.features]
+            if len(set(samples)) == 1 and set(dims) == {stack.embedding_dim}:
+                by_sample = per_sparsecore.view(local_sparsecores, len(names), samples[0], stack.embedding_dim)
+                block = by_sample.transpose(1, 2).reshape(local_sparsecores * samples[0], sum(dims))
+            else:
+                pieces = per_sparsecore.split(samples, dim=1)
+                block = torch.cat([piece[:, :, :dim].reshape(-1, dim) for piece, dim in zip(pieces, dims)], dim=1)
+            blocks.append((names, dims, block))
+        return blocks
+
+    def _feature_rows(self, batch: SparseCoreBatch) -> dict[str, torch.Tensor]:
+        """Each feature's activations for this process's samples: `[rows, dim]`, sample-major."""
+        return _split_by_feature(self._stack_activations(batch))
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -352,6 +369,11 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         )
 
 
+def _split_by_feature(blocks: list[tuple[tuple[str, ...], tuple[int, ...], torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each feature's columns of its stack's block (views; one split per stack)."""
+    return {name: rows for names, dims, block in blocks for name, rows in zip(names, block.split(dims, dim=1))}
+
+
 class SparseCoreEmbeddingBagCollection(_SparseCoreCollection):
     """Pooled embeddings of a KJT's features as a TorchRec `KeyedTensor`, like TorchRec's
     `EmbeddingBagCollection`, fused and sharded on SparseCores.
@@ -378,8 +400,12 @@ class SparseCoreEmbeddingBagCollection(_SparseCoreCollection):
                       for _ in names]
 
     def forward(self, features: KeyedJaggedTensor | SparseCoreBatch) -> KeyedTensor:
-        rows = self._feature_rows(self._batch(features))
-        values = torch.cat([rows[name] for name in self._names], dim=1)
+        blocks = self._stack_activations(self._batch(features))
+        if [name for names, _, _ in blocks for name in names] == self._names:
+            values = blocks[0][2] if len(blocks) == 1 else torch.cat([block for _, _, block in blocks], dim=1)
+        else:
+            rows = _split_by_feature(blocks)
+            values = torch.cat([rows[name] for name in self._names], dim=1)
         return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -29,6 +29,9 @@ from sparsecore.layout import StackGroup
 BATCH = 32
 STEPS = 10
 TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
+# One stack of dims 16, 8, 16, 8: narrower tables are padded to the stack's dim, so each
+# feature's activations are cut out of the stack on their own (not one transpose).
+MIXED_DIMS = [StackGroup(("t1", "t0", "t3", "t2"))]
 
 
 def _tables(module) -> dict[str, torch.Tensor]:
@@ -50,8 +53,9 @@ def _eager_mode(mode: str) -> str:
         (PoolingType.SUM, False, "auto"),
         (PoolingType.MEAN, False, "none"),
         (PoolingType.SUM, True, [StackGroup(("t0", "t2")), StackGroup(("t3", "t1"))]),
+        (PoolingType.SUM, False, MIXED_DIMS),
     ],
-    ids=["sum-auto", "mean-per_table", "weighted-manual"],
+    ids=["sum-auto", "mean-per_table", "weighted-manual", "sum-mixed_dims"],
 )
 def test_forward_matches_torchrec(pooling, weighted, stacking):
     tables = bag_tables(pooling)
@@ -88,6 +92,18 @@ def test_feature_read_by_two_tables_gets_torchrec_names():
 def test_training_matches_fused_reference(optimizer, mode):
     tables = bag_tables()
     ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=OPTIMIZERS[optimizer])
+    _check_training(ebc, tables, optimizer, mode)
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_training_a_stack_of_mixed_dims_matches_fused_reference(mode):
+    tables = bag_tables()
+    ebc = SparseCoreEmbeddingBagCollection(tables, batch_size=BATCH, optimizer=OPTIMIZERS["sgd"], stacking=MIXED_DIMS)
+    assert ebc.stacks == {"t1_t0_t3_t2": ("t1", "t0", "t3", "t2")}
+    _check_training(ebc, tables, "sgd", mode)
+
+
+def _check_training(ebc: SparseCoreEmbeddingBagCollection, tables, optimizer: str, mode: str) -> None:
     torchtpu.reset_metrics()
     with torchtpu.eager_mode(_eager_mode(mode)):
         check_bag_training(ebc, _run(ebc, mode), tables, optimizer, STEPS, BATCH, slice(0, BATCH), seed=3)

@@ -154,13 +154,37 @@ def read(flat, geometry: Geometry):
             core = lax.dynamic_slice(flat, (offset,), (count,)).reshape(core_sizes)
         return _finish(core, geometry, dims)
     core_strides = [strides[d] for d in dims]
-    span = core_sizes[0] * core_strides[0]
-    if offset + span > flat.shape[0]:
-        flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
-    block = lax.slice(flat, (offset,), (offset + span,)).reshape(core_sizes[0], core_strides[0])
+    block = _rows(flat, offset, core_sizes, core_strides)
     for n, s in zip(core_sizes[1:], core_strides[1:]):
+        if s == 1:  # the innermost dim, contiguous: the first n columns
+            return _finish(lax.slice_in_dim(block, 0, n, axis=block.ndim - 1), geometry, dims)
         block = block[..., : n * s].reshape(*block.shape[:-1], n, s)
     return _finish(block[..., 0], geometry, dims)
+
+
+def _rows(flat, offset: int, core_sizes: list[int], core_strides: list[int]):
+    """The `[n0, s0]` block of a nested region (outermost size n0, stride s0) starting at `offset`:
+    row `i` holds the `s0` elements from `offset + i * s0` on (of which the inner dims use a prefix).
+
+    When the region's inner extent fits in its row of the storage seen as `[rows, s0]` (a column
+    block: `x[:, a:b]`, a `select` of an inner dim), this is a 2-D slice of that matrix, padded
+    only on the block's own columns. Views of one storage are then slices of one array, which XLA
+    can see through: a concatenation of adjacent column slices (TorchRec's `KeyedTensor.to_dict`
+    then `cat`) folds back into the array. Otherwise the storage is read from `offset` as flat."""
+    n0, s0 = core_sizes[0], core_strides[0]
+    row, col = divmod(offset, s0)
+    extent = 1 + sum((n - 1) * s for n, s in zip(core_sizes[1:], core_strides[1:]))
+    if col + extent <= s0:
+        rows = -(-flat.shape[0] // s0)
+        if rows * s0 > flat.shape[0]:
+            flat = jnp.pad(flat, (0, rows * s0 - flat.shape[0]))
+        block = lax.slice(flat.reshape(rows, s0), (row, col), (row + n0, col + extent))
+        width = core_sizes[1] * core_strides[1] if len(core_sizes) > 1 else 1
+        return jnp.pad(block, ((0, 0), (0, width - extent))) if width > extent else block
+    span = n0 * s0
+    if offset + span > flat.shape[0]:
+        flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
+    return lax.slice(flat, (offset,), (offset + span,)).reshape(n0, s0)
 
 
 def write(flat, geometry: Geometry, value):

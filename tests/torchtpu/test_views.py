@@ -171,3 +171,53 @@ def test_views_at_other_offsets_reuse_the_compiled_program(mode):
     assert programs[1] == programs[2] == programs[3]
     _assert_bitwise(_to_cpu(actual), expected)
     _assert_bitwise(flat.cpu(), cpu)
+
+
+def _nested_geometries(numel: int):
+    """Every non-overlapping 2-d and 3-d (sizes, strides, offset) with gaps between rows or
+    columns that fits in `numel` elements: regions inside one row of the storage seen as
+    `[rows, outer stride]` and regions that wrap past a row's end."""
+    for n0 in (1, 2, 3):
+        for s0 in (5, 7, 12):
+            for n1, s1 in ((2, 1), (3, 2), (2, 3)):
+                for inner in ((), ((2, 1),)):
+                    if inner and s1 < 2:
+                        continue
+                    sizes, strides = (n0, n1, *(n for n, _ in inner)), (s0, s1, *(s for _, s in inner))
+                    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+                    if n1 * s1 > s0 or extent > numel:
+                        continue
+                    for offset in range(0, numel - extent + 1, 3):
+                        yield sizes, strides, offset
+
+
+def test_every_nested_region_reads_as_on_cpu():
+    """Reads of regions with gaps (column blocks, selects of inner dims, step slices) equal CPU's,
+    whether the region lies inside rows of its storage or wraps past a row's end."""
+    base = torch.arange(40, dtype=torch.float32)
+    device = base.to("tpu")
+    geometries = list(_nested_geometries(base.numel()))
+    assert len(geometries) > 100
+    for sizes, strides, offset in geometries:
+        expected = base.as_strided(sizes, strides, offset)
+        actual = device.as_strided(sizes, strides, offset).cpu()
+        assert torch.equal(actual, expected), (sizes, strides, offset)
+
+
+def test_a_column_block_is_one_slice_of_its_storage():
+    """A block of columns at an offset (`x[:, a:b]`, each value of TorchRec's
+    `KeyedTensor.to_dict()`, every DLRM step) reads as one 2-D slice of the storage: no copy of
+    the storage padded and shifted to the block's offset, as it was read before."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu import strided
+
+    rows, width, blocks = 16, 8, 6
+    flat = jnp.arange(rows * width * blocks, dtype=jnp.float32)
+    for k in range(blocks):
+        geometry = strided.Geometry((rows, width), (blocks * width, 1), k * width)
+        read = jax.jit(lambda f, g=geometry: strided.read(f, g))
+        hlo = read.lower(flat).compile().as_text()
+        assert "pad(" not in hlo and hlo.count("slice(") == 1, hlo
+        assert (read(flat) == flat.reshape(rows, -1)[:, k * width : (k + 1) * width]).all()

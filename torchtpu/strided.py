@@ -16,9 +16,11 @@ Three cases, cheapest first:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import NamedTuple
+import threading
+from typing import Iterator, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -175,16 +177,50 @@ def _rows(flat, offset: int, core_sizes: list[int], core_strides: list[int]):
     row, col = divmod(offset, s0)
     extent = 1 + sum((n - 1) * s for n, s in zip(core_sizes[1:], core_strides[1:]))
     if col + extent <= s0:
-        rows = -(-flat.shape[0] // s0)
-        if rows * s0 > flat.shape[0]:
-            flat = jnp.pad(flat, (0, rows * s0 - flat.shape[0]))
-        block = lax.slice(flat.reshape(rows, s0), (row, col), (row + n0, col + extent))
+        block = lax.slice(_as_rows(flat, s0), (row, col), (row + n0, col + extent))
         width = core_sizes[1] * core_strides[1] if len(core_sizes) > 1 else 1
         return jnp.pad(block, ((0, 0), (0, width - extent))) if width > extent else block
     span = n0 * s0
     if offset + span > flat.shape[0]:
         flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
     return lax.slice(flat, (offset,), (offset + span,)).reshape(n0, s0)
+
+
+class _Traced(threading.local):
+    rows: dict | None = None
+
+
+_traced = _Traced()
+
+
+@contextlib.contextmanager
+def one_trace() -> Iterator[None]:
+    """Within one traced computation (a DeferAndFuse graph), reads of one storage by rows of one
+    length share a single reshape of it.
+
+    XLA folds a concatenation of adjacent slices of one array back into the array -- TorchRec's
+    `KeyedTensor.to_dict()` then `cat` of the pooled embeddings, every DLRM step, forward and
+    backward -- but only when the slices are of the same instruction: the identical reshapes
+    that reads traced one by one would make are merged only after that simplification runs."""
+    outer, _traced.rows = _traced.rows, {}
+    try:
+        yield
+    finally:
+        _traced.rows = outer
+
+
+def _as_rows(flat, length: int):
+    """`flat` as `[rows, length]` (zero-padded to whole rows), once per trace under `one_trace`."""
+    table = _traced.rows
+    key = (id(flat), length)
+    if table is not None and key in table and table[key][0] is flat:
+        return table[key][1]
+    rows = -(-flat.shape[0] // length)
+    padded = jnp.pad(flat, (0, rows * length - flat.shape[0])) if rows * length > flat.shape[0] else flat
+    matrix = padded.reshape(rows, length)
+    if table is not None:
+        table[key] = (flat, matrix)  # `flat` held, so its id stays its own while the entry lives
+    return matrix
 
 
 def write(flat, geometry: Geometry, value):

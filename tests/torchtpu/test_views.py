@@ -221,3 +221,29 @@ def test_a_column_block_is_one_slice_of_its_storage():
         hlo = read.lower(flat).compile().as_text()
         assert "pad(" not in hlo and hlo.count("slice(") == 1, hlo
         assert (read(flat) == flat.reshape(rows, -1)[:, k * width : (k + 1) * width]).all()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_adjacent_column_views_join_back_into_their_tensor_within_one_trace(shared):
+    """`cat` of a tensor's adjacent column blocks (TorchRec's `KeyedTensor.to_dict()` then `cat`)
+    traced in one computation, as DeferAndFuse traces a graph, compiles to no slice and no
+    concatenation: XLA sees one array's slices. Each read tracing its own reshape of the storage
+    (outside `strided.one_trace`) leaves a slice per block and their concatenation."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu import strided
+
+    rows, width, blocks = 64, 16, 12
+    geometries = [strided.Geometry((rows, width), (blocks * width, 1), k * width) for k in range(blocks)]
+
+    def join(flat):
+        with strided.one_trace() if shared else contextlib.nullcontext():
+            return jnp.concatenate([strided.read(flat, g) for g in geometries], axis=1) * 2
+
+    flat = jnp.arange(rows * width * blocks, dtype=jnp.float32)
+    hlo = jax.jit(join).lower(flat).compile().as_text()
+    assert ("concatenate" not in hlo and "slice(" not in hlo) == shared, hlo
+    assert (join(flat) == 2 * flat.reshape(rows, blocks * width)).all()

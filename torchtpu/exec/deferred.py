@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from torchtpu import counters, dtypes, runtime
+from torchtpu import counters, dtypes, runtime, strided
 from torchtpu.exec import checks, eager, opcall
 from torchtpu.storage import DeviceBuffer, whole_tensor
 
@@ -339,11 +339,12 @@ def _compile(graph: _Graph, outputs: tuple, donate: tuple, device: int):
 
     def fused(*inputs):
         env: dict[tuple[int, int], Any] = {}
-        for n, (fn, wiring, dynamic) in enumerate(nodes):
-            args = [inputs[w[1]] if w[0] == "in" else env[(w[1], w[2])] for w in wiring]
-            args += [inputs[d] for d in dynamic]
-            for k, out in enumerate(fn(*args)):
-                env[(n, k)] = out
+        with strided.one_trace():
+            for n, (fn, wiring, dynamic) in enumerate(nodes):
+                args = [inputs[w[1]] if w[0] == "in" else env[(w[1], w[2])] for w in wiring]
+                args += [inputs[d] for d in dynamic]
+                for k, out in enumerate(fn(*args)):
+                    env[(n, k)] = out
         return tuple(env[ref] for ref in outputs)
 
     return jax.jit(

@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsecore.api import SparseCoreEmbedding
-from sparsecore.kernels import workspace_rows
 from sparsecore.layout import StackedTable
 from sparsecore.optimizers import CLIP, OPTIMIZERS, STEP, OptimizerSpec
 from torchtpu.kernels import JaxKernel, jax_kernel
@@ -89,9 +88,6 @@ class StackComputation:
         """`slot_args`: slot name -> the op argument holding it."""
         engine, optimizer = self.engine, self.optimizer
         sharded = NamedSharding(engine.mesh, P(engine.axis))
-        geometry = engine.geometries[self.stack.name]
-        rows = engine.topology.global_device_count * workspace_rows(geometry)
-        workspace = jax.lax.with_sharding_constraint(jnp.zeros((rows, geometry.embedding_dim), jnp.float32), sharded)
         step = values["step"]
         slots = {name: values[arg] for name, arg in slot_args.items()}
         slots[STEP] = step[0]
@@ -99,7 +95,7 @@ class StackComputation:
             self.stack.name,
             values["embedding_table"],
             slots,
-            workspace,
+            None,  # a zeroed workspace made in the program: the op keeps none between steps
             {field: values[field] for field in BUFFERS},
             values["activations_grad"],
             {name: values[name] for name in optimizer.hyperparameters()},

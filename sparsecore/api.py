@@ -365,14 +365,15 @@ class SparseCoreEmbedding:
         name: str,
         table: Array,
         slots: Mapping[str, Array],
-        workspace: Array,
+        workspace: Array | None,
         buffers: Mapping[str, Array],
         activation_grads: Array,
         hyperparameters: Mapping[str, Array],
-    ) -> tuple[Array, dict[str, Array], Array]:
+    ) -> tuple[Array, dict[str, Array], Array | None]:
         """The traceable update of one stack from its activations' gradient `[N*B, D]` (the
         layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace
-        (`[devices * workspace_rows, D]`, any content)."""
+        (`[devices * workspace_rows, D]`, any content; None: a zeroed one made in the program,
+        for a caller that keeps none between steps)."""
         missing = [field for field in _SIDE_CAR if field not in buffers]
         if missing:
             raise ValueError(

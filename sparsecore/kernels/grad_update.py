@@ -34,7 +34,7 @@ from sparsecore.kernels.routing import (
     route_entries,
     route_unique_rows,
 )
-from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows
+from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows, varying
 from sparsecore.optimizers import OptimizerSpec
 from sparsecore.preprocess import PAD_ID
 
@@ -182,7 +182,7 @@ def update_local(
     activation_grads: Array,
     table: Array,
     slots: Mapping[str, Array],
-    workspace: Array,
+    workspace: Array | None,
     hyperparameters: Mapping[str, Array],
     *,
     geometry: KernelGeometry,
@@ -193,15 +193,19 @@ def update_local(
 
     Buffers and side-car are this device's 1-D / `[N, U]` arrays, `activation_grads [S*B, D]`,
     `table [S*Vs, D]`, each slot `[S*Vs, width]`, `workspace [workspace_rows, D]` (any content:
-    the rows this batch uses are cleared first). Returns the updated table, slots and the spent
-    workspace.
+    the rows this batch uses are cleared first) or None for a zeroed one made here, for a caller
+    that keeps none between steps (it then needs no clearing). Returns the updated table, slots
+    and the spent workspace.
     """
     entries = route_entries(
         row_pointers, embedding_ids, sample_ids, gains, entry_unique_index, geometry, axis_name
     )
     slot_of, rows, counts = merge_unique_rows(route_unique_rows(unique_ids, geometry, axis_name), geometry)
-    grads = gather_activation_grads(activation_grads, axis_name)
-    workspace = clear_used_rows(workspace, counts, geometry)
+    grads = gather_activation_grads(activation_grads, geometry, axis_name)
+    if workspace is None:
+        workspace = varying(jnp.zeros((workspace_rows(geometry), activation_grads.shape[1]), jnp.float32), axis_name)
+    else:
+        workspace = clear_used_rows(workspace, counts, geometry)
     workspace = accumulate_gradients(workspace, grads, entries, entry_slots(entries, slot_of, geometry), geometry)
     table, slots = apply_optimizer(table, slots, workspace, rows, counts, optimizer, hyperparameters, geometry)
     return table, slots, workspace

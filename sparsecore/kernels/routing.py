@@ -158,6 +158,9 @@ def return_activations(partials: Array, geometry: KernelGeometry, axis_name: str
     return lax.all_to_all(partials, axis_name, split_axis=0, concat_axis=0).sum(axis=0)
 
 
-def gather_activation_grads(grads: Array, axis_name: str) -> Array:
-    """Every device's activation gradients `[S*B, D]` -> `[G*S*B, D]` on every owner."""
+def gather_activation_grads(grads: Array, geometry: KernelGeometry, axis_name: str) -> Array:
+    """Every device's activation gradients `[S*B, D]` -> `[G*S*B, D]` on every owner (on one
+    device, its own: XLA:CPU copies them for an all-gather over one device)."""
+    if geometry.num_devices == 1:
+        return grads
     return lax.all_gather(grads, axis_name, tiled=True)

@@ -8,8 +8,8 @@ computations, so XLA fuses them with the op that uses them.
 Three cases, cheapest first:
 - dense: the region is a contiguous run in some dimension order (contiguous tensors, transposes,
   channels-last, contiguous slices): one slice, reshape and transpose;
-- nested: non-overlapping strides (step slices, `select`, `diagonal`, narrowed inner dims): a slice
-  of a padded block, reshaped dimension by dimension;
+- nested: non-overlapping strides (step slices, `select`, `diagonal`, narrowed inner dims): a 2-D
+  slice of the storage seen as rows of the outer stride, reshaped dimension by dimension;
 - anything else (overlapping windows such as `unfold`/`as_strided` tricks): an index gather, or a
   scatter for writes.
 """
@@ -170,9 +170,9 @@ def _rows(flat, offset: int, core_sizes: list[int], core_strides: list[int]):
 
     When the region's inner extent fits in its row of the storage seen as `[rows, s0]` (a column
     block: `x[:, a:b]`, a `select` of an inner dim), this is a 2-D slice of that matrix, padded
-    only on the block's own columns. Views of one storage are then slices of one array, which XLA
-    can see through: a concatenation of adjacent column slices (TorchRec's `KeyedTensor.to_dict`
-    then `cat`) folds back into the array. Otherwise the storage is read from `offset` as flat."""
+    only on the block's own columns: no pass over the whole storage, and under `one_trace` the
+    views of one storage are slices of one array, which XLA sees through. Otherwise (a region
+    that wraps past a row's end) the storage is read from `offset` as flat."""
     n0, s0 = core_sizes[0], core_strides[0]
     row, col = divmod(offset, s0)
     extent = 1 + sum((n - 1) * s for n, s in zip(core_sizes[1:], core_strides[1:]))

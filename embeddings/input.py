@@ -95,9 +95,9 @@ class SparseCorePreprocessor:
             with_unique_rows=True,
             num_threads=self.num_threads,
         )
-        on_device = self.engine.put_batch(packed)
         buffers = {
-            stack: tuple(sharding.from_jax(arrays[field]) for field in BUFFERS) for stack, arrays in on_device.items()
+            stack: tuple(sharding.from_process_local(arrays[field]) for field in BUFFERS)
+            for stack, arrays in self.engine.host_arrays(packed).items()
         }
         dropped = sum(batch.stats.id_drop_count for batch in packed.values())
         self.dropped_ids += dropped

@@ -228,10 +228,19 @@ class SparseCoreEmbedding:
     def put_batch(self, packed: Mapping[str, PackedBatch]) -> DeviceBatch:
         """Check this host's packed buffers against the compiled shapes and move them to the
         mesh. Raises `ValueError` naming the stack, device, SparseCore and partition at fault."""
+        return {
+            name: {field: self._put_local(value) for field, value in arrays.items()}
+            for name, arrays in self.host_arrays(packed).items()
+        }
+
+    def host_arrays(self, packed: Mapping[str, PackedBatch]) -> dict[str, dict[str, np.ndarray]]:
+        """This host's packed buffers checked against the compiled shapes (as `put_batch` does),
+        per stack and field (`[local devices, ...]`, side-car included): for a caller that moves
+        them to the devices its own way."""
         missing = sorted(set(self.stacks) - set(packed))
         if missing:
             raise ValueError(f"batch has no buffers for stack(s) {missing}")
-        batch: DeviceBatch = {}
+        batch: dict[str, dict[str, np.ndarray]] = {}
         for name, geometry in self.geometries.items():
             host = packed[name]
             _check_buffers(host, geometry, self.topology.local_device_count)
@@ -239,7 +248,7 @@ class SparseCoreEmbedding:
             if host.unique is not None:
                 arrays["entry_unique_index"] = host.unique.entry_unique_index
                 arrays["unique_ids"] = host.unique.unique_ids
-            batch[name] = {field: self._put_local(value) for field, value in arrays.items()}
+            batch[name] = arrays
         return batch
 
     def _put_local(self, local: np.ndarray) -> Array:

@@ -17,6 +17,7 @@ process order, and each process holds only its own blocks.
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -128,6 +129,29 @@ def from_jax(array: "jax.Array") -> torch.Tensor:
     `array` must not be used after the call: in-place ops donate the tensor's buffer."""
     _check_rows(tuple(array.shape), "from_jax")
     return _wrap(_flat(array), dtypes.from_jax(array.dtype), tuple(array.shape))
+
+
+def from_process_local(local: np.ndarray) -> torch.Tensor:
+    """A sharded `tpu` tensor from this process's rows of it (`[local devices * r, ...]`, its
+    devices' blocks in mesh order; every process passes its own): each block moves to its
+    device as the flat buffer it becomes, with no device program. (`from_jax` of the same rows
+    put as `[devices, ...]` arrays reshapes each device's block with a program of its own.)"""
+    import jax
+
+    target = flat_sharding()
+    devices = [d for d in target.mesh.devices.flat if d.process_index == jax.process_index()]
+    if not local.shape or local.shape[0] % len(devices):
+        raise ValueError(
+            f"from_process_local: this process's rows are split over its {len(devices)} devices, so "
+            f"their first dimension must be a multiple of {len(devices)}; got shape {list(local.shape)}"
+        )
+    blocks = np.ascontiguousarray(local).reshape(len(devices), -1)
+    processes = len(mesh_devices()) // len(devices)
+    shape = (local.shape[0] * processes, *local.shape[1:])
+    flat = jax.make_array_from_single_device_arrays(
+        (math.prod(shape),), target, [jax.device_put(block, device) for block, device in zip(blocks, devices)]
+    )
+    return _wrap(flat, dtypes.from_jax(local.dtype), shape)
 
 
 def to_jax(tensor: torch.Tensor) -> "jax.Array":

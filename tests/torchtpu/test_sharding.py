@@ -44,7 +44,24 @@ def test_from_jax_takes_a_global_array(x):
     assert torch.equal(t.cpu(), x)
 
 
+def test_from_process_local_moves_each_block_to_its_device(caplog):
+    """One process: its rows are the whole tensor; each device holds its block, laid out as
+    `shard` lays it out, and moving it compiles no program (`from_jax` of the same rows as a
+    row-sharded array reshapes each device's block with one)."""
+    import jax
+
+    x = torch.arange(16 * 7, dtype=torch.float32).reshape(16, 7)  # a shape no other test uses
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        t = sharding.from_process_local(x.numpy())
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()], caplog.text
+    assert torch.equal(t.cpu(), x)
+    assert [row for row, _ in sharding.local_shards(t)] == [row for row, _ in sharding.local_shards(sharding.shard(x))]
+    assert sharding.to_jax(t).sharding.spec == sharding.flat_sharding().spec
+
+
 def test_rows_must_divide_over_the_mesh():
     devices = len(sharding.mesh_devices())
     with pytest.raises(ValueError, match=f"first dimension must be a multiple of {devices}"):
         sharding.shard(torch.ones(devices + 1, 2))
+    with pytest.raises(ValueError, match=f"first dimension must be a multiple of {devices}"):
+        sharding.from_process_local(torch.ones(devices + 1, 2).numpy())

@@ -304,8 +304,8 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         A stack's lookup gives each local SparseCore its samples feature after feature. Regrouping
         them by sample is one transpose when the features share a sample count and the stack's
         dim (the common case), else one split and a copy per feature. Either way the backward
-        is a single op over the whole stack: slicing each feature out of the stack on its own
-        would make autograd add a zero-padded full-size gradient per feature."""
+        passes over the stack's gradient once: slicing each feature out of the stack on its own
+        would make autograd add a zero-padded gradient of the whole stack per feature."""
         local_sparsecores = self._state.engine.topology.local_sparsecores
         blocks = []
         for name, computation in self._computations.items():

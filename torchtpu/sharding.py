@@ -136,22 +136,36 @@ def from_process_local(local: np.ndarray) -> torch.Tensor:
     devices' blocks in mesh order; every process passes its own): each block moves to its
     device as the flat buffer it becomes, with no device program. (`from_jax` of the same rows
     put as `[devices, ...]` arrays reshapes each device's block with a program of its own.)"""
+    _, count = _local_positions()
+    if not local.shape or local.shape[0] % count:
+        raise ValueError(
+            f"from_process_local: this process's rows are split over its {count} devices, so "
+            f"their first dimension must be a multiple of {count}; got shape {list(local.shape)}"
+        )
+    shape = (local.shape[0] * (len(mesh_devices()) // count), *local.shape[1:])
+    return _wrap(_flat_from_local(local, shape), dtypes.from_jax(local.dtype), shape)
+
+
+def _local_positions() -> tuple[int, int]:
+    """Where this process's devices sit in the mesh: the first position and how many (a
+    process's devices are consecutive, `mesh_devices`)."""
     import jax
 
-    target = flat_sharding()
-    devices = [d for d in target.mesh.devices.flat if d.process_index == jax.process_index()]
-    if not local.shape or local.shape[0] % len(devices):
-        raise ValueError(
-            f"from_process_local: this process's rows are split over its {len(devices)} devices, so "
-            f"their first dimension must be a multiple of {len(devices)}; got shape {list(local.shape)}"
-        )
-    blocks = np.ascontiguousarray(local).reshape(len(devices), -1)
-    processes = len(mesh_devices()) // len(devices)
-    shape = (local.shape[0] * processes, *local.shape[1:])
-    flat = jax.make_array_from_single_device_arrays(
-        (math.prod(shape),), target, [jax.device_put(block, device) for block, device in zip(blocks, devices)]
+    mine = [i for i, d in enumerate(mesh_devices()) if d.process_index == jax.process_index()]
+    return mine[0], len(mine)
+
+
+def _flat_from_local(local: np.ndarray, shape: tuple[int, ...]) -> "jax.Array":
+    """The flat buffer of a sharded tensor of global `shape` from this process's rows `local`,
+    each device's block put on it as it is laid out there."""
+    import jax
+
+    first, count = _local_positions()
+    devices = mesh_devices()[first : first + count]
+    blocks = np.ascontiguousarray(local).reshape(count, -1)
+    return jax.make_array_from_single_device_arrays(
+        (math.prod(shape),), flat_sharding(), [jax.device_put(block, device) for block, device in zip(blocks, devices)]
     )
-    return _wrap(flat, dtypes.from_jax(local.dtype), shape)
 
 
 def to_jax(tensor: torch.Tensor) -> "jax.Array":
@@ -174,8 +188,10 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "tpu":
         flat = _flat(memory.to_array(tensor))
     else:
-        host = memory.torch_to_numpy(tensor).reshape(-1)
-        flat = jax.make_array_from_callback(host.shape, flat_sharding(), lambda index: np.array(host[index]))
+        host = memory.torch_to_numpy(tensor)
+        rows = host.shape[0] // len(mesh_devices())
+        first, count = _local_positions()
+        flat = _flat_from_local(host[first * rows : (first + count) * rows], tuple(tensor.shape))
     return _wrap(flat, tensor.dtype, tuple(tensor.shape))
 
 

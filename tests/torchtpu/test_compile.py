@@ -85,6 +85,32 @@ def test_graph_breaks_fall_back_to_the_eager_mode():
     assert torchtpu.metrics()["compiled_graphs"] >= 2
 
 
+def test_a_graph_of_host_tensors_runs_on_the_host():
+    """Host code inside a compiled model (TorchRec checking a KJT kept on the host) is captured
+    as a graph of its own; it runs where its tensors are, on the CPU."""
+
+    def check(lengths, values):
+        valid = (lengths >= 0).all() & (lengths.sum() == values.numel())
+        return valid, values.cumsum(0) * 3
+
+    compiled = torch.compile(check, backend="tpu")
+    lengths, values = torch.tensor([2, 0, 3]), torch.arange(5)
+    for _ in range(2):
+        valid, sums = compiled(lengths, values)
+        assert valid.device.type == "cpu" and sums.device.type == "cpu"
+        torch.testing.assert_close(valid, torch.tensor(True))
+        torch.testing.assert_close(sums, values.cumsum(0) * 3)
+    assert torchtpu.metrics()["compiled_graphs_on_host"] == 1
+    assert "compiled_graphs" not in torchtpu.metrics()
+
+
+def test_a_graph_mixing_host_and_tpu_tensors_names_both_devices():
+    """Not supported (the graph is not split by device): an error naming both devices."""
+    compiled = torch.compile(lambda a, b: (a * 2, b + 1), backend="tpu")
+    with pytest.raises(RuntimeError, match="found at least two devices, tpu:0 and cpu"):
+        compiled(torch.ones(3, device="tpu"), torch.ones(3))
+
+
 def test_backward_inside_a_compiled_function():
     """`loss.backward()` inside the compiled function breaks the graph; the backward runs
     eagerly without Dynamo tracing torchtpu's or JAX's own Python."""

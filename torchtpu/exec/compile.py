@@ -10,6 +10,11 @@ Outputs that are inputs as they came in (the forward's saved inputs) are returne
 tensors, not copies; an input the graph `copy_`s into (state a backward writes, the parameters a
 compiled optimizer step updates) is written in place.
 
+A graph that touches no `tpu` tensor (host code inside a compiled model: TorchRec checking a KJT
+that stays on the host) runs as Dynamo captured it, on the CPU, where its tensors are; it is
+counted in `torchtpu.metrics()["compiled_graphs_on_host"]`. A graph mixing host and `tpu` tensors
+is not split by device: it raises an error naming both devices.
+
 A graph containing an op without a lowering is run eagerly instead (its ops dispatch one by one
 to the tpu kernels), counted in `torchtpu.metrics()["compiled_graphs_run_eagerly"]` and warned.
 """
@@ -316,9 +321,23 @@ def _compiler(kind: str):
     return compile_graph
 
 
+def _touches_tpu(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether any input or any value the graph makes is a `tpu` tensor (Dynamo records each
+    node's value as `example_value`)."""
+    values = [*example_inputs, *(node.meta.get("example_value") for node in gm.graph.nodes)]
+    return any(
+        isinstance(value, torch.Tensor) and value.device.type == "tpu"
+        for value in torch.utils._pytree.tree_leaves(values)
+    )
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
     """The `torch.compile` backend named "tpu"."""
     from torch._dynamo.backends.common import aot_autograd
+
+    if not _touches_tpu(gm, example_inputs):
+        counters.count("compiled_graphs_on_host")
+        return gm.forward
 
     backend = aot_autograd(
         fw_compiler=_compiler("forward"),

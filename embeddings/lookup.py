@@ -1,8 +1,8 @@
 """The fused lookup of one stack as an autograd function: the forward runs
 `torch.ops.tpu.sparse_dense_matmul`; the backward runs the stack's update,
 `torch.ops.tpu.sparse_dense_matmul_grad_with_<optimizer>_`, in place on the module's table,
-slots and update count. So the optimizer is applied during `loss.backward()`, and the table
-never gets a `.grad` (its gradient is returned as None). The eager executors donate the table's
+slots, update count and gradient workspace. So the optimizer is applied during
+`loss.backward()`, and the table never gets a `.grad` (its gradient is returned as None). The eager executors donate the table's
 buffer to the update, which scatters into it: no table-sized copy per step.
 
 Inside `torch.compile` graphs the functional update runs and its results are `copy_`d into the
@@ -23,7 +23,7 @@ __all__ = ["fused_lookup"]
 
 
 class _FusedLookup(torch.autograd.Function):
-    """`(computation, table, *buffers, *slots, step, *hyper-parameters) -> activations`."""
+    """`(computation, table, *buffers, *slots, step, *hyper-parameters, workspace) -> activations`."""
 
     @staticmethod
     def forward(ctx: Any, computation: StackComputation, table: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
@@ -37,13 +37,14 @@ class _FusedLookup(torch.autograd.Function):
         table, *inputs = ctx.saved_tensors
         buffers, rest = inputs[: len(BUFFERS)], inputs[len(BUFFERS) :]
         num_slots = len(computation.optimizer.slots())
-        slots, step, hyperparameters = rest[:num_slots], rest[num_slots], rest[num_slots + 1 :]
+        slots, step = rest[:num_slots], rest[num_slots]
+        hyperparameters, workspace = rest[num_slots + 1 : -1], rest[-1]
         kernel = update_kernel(computation.optimizer)
-        args = (*buffers, table, *slots, step, activations_grad, *hyperparameters)
+        args = (*buffers, table, *slots, step, activations_grad, *hyperparameters, workspace)
         with torch.no_grad():
             if torch.compiler.is_compiling():
                 updated = kernel(*args, **computation.static_args)
-                for target, value in zip((table, *slots, step), updated):
+                for target, value in zip((table, *slots, step, workspace), updated):
                     target.copy_(value)
             else:
                 kernel.inplace(*args, **computation.static_args)
@@ -61,4 +62,5 @@ def fused_lookup(computation: StackComputation, state: StackedState, buffers: tu
         *state.slots(stack),
         state.step(stack),
         *state.hyperparameters(computation.optimizer),
+        state.workspace(stack),
     )

@@ -7,7 +7,9 @@ read the tensor's buffer as the same global `jax.Array`, without a copy. Tables 
 (so the lookup's output requires grad) that never get a `.grad`: the fused update writes them.
 Slots are buffers of the same rows; each stack's update count is a `[devices]` buffer (one copy
 per device, so it is sharded like everything else); hyper-parameters are 0-dim float32 CPU
-tensors, runtime inputs of the update ops.
+tensors, runtime inputs of the update ops. Each stack also keeps the stand-in update's gradient
+workspace (all zeros between steps; see `embeddings.ops`), which is scratch, not state: no
+checkpoint or `state_dict` holds it.
 
 Per-table values ("rows") are built on the device by a gather through `physical_row_ids` (and
 written back by the matching scatter): a `[V', width]` array sharded over the mesh in equal row
@@ -106,6 +108,7 @@ class StackedState(nn.Module):
                 self.register_buffer(f"slot_{i}_{slot.name}", value, persistent=False)
             step = jax.device_put(jnp.zeros(devices, jnp.float32), self._sharded)
             self.register_buffer(f"step_{i}", sharding.from_jax(step), persistent=False)
+        self._register_workspaces()
         values = {CLIP: math.inf, **optimizer.hyperparameters()}
         for name, value in values.items():
             self.register_buffer(f"hyper_{name}", torch.tensor(value, dtype=torch.float32), persistent=False)
@@ -129,6 +132,12 @@ class StackedState(nn.Module):
         self.engine = engine
         self.computations = dict(computations)
         self._table_stack = {t: engine.stacks[s] for s in self._index for t in engine.stacks[s].table_names}
+        self._register_workspaces()  # sized by the layout's buffers, which may have changed
+
+    def _register_workspaces(self) -> None:
+        workspaces = self.engine.new_workspaces()
+        for name, i in self._index.items():
+            self.register_buffer(f"workspace_{i}", sharding.from_jax(workspaces[name]), persistent=False)
 
     # -- the op operands ------------------------------------------------------------------------
 
@@ -142,6 +151,10 @@ class StackedState(nn.Module):
 
     def step(self, stack: str) -> torch.Tensor:
         return getattr(self, f"step_{self._index[stack]}")
+
+    def workspace(self, stack: str) -> torch.Tensor:
+        """The stack's gradient workspace (all zeros between updates)."""
+        return getattr(self, f"workspace_{self._index[stack]}")
 
     def hyperparameters(self, optimizer: OptimizerSpec) -> tuple[torch.Tensor, ...]:
         """The update ops' hyper-parameter inputs: learning rate, the optimizer's own, clipping."""

@@ -3,8 +3,8 @@
 `SparseCoreEmbedding` binds stacked tables (`sparsecore.layout`) to a 1-D mesh of devices, one
 MOD shard group per device. It owns two cached, jitted programs: the lookup of every stack and the
 fused backward + optimizer update of every stack, which donates the tables, the optimizer state
-and a gradient workspace (of which a step clears only the rows its batch uses), so a step never
-copies a table. State is plain pytrees:
+and a gradient workspace (all zeros between steps: a step clears the rows its batch used as it
+applies them), so a step never copies a table nor clears a whole workspace. State is plain pytrees:
 
 * ``tables[stack]``: the stacked variable ``[N * rows_per_shard, dim]``, sharded over the mesh;
 * ``slots[stack]``: the optimizer state, one array per slot of the stack's optimizer (same rows,
@@ -381,8 +381,9 @@ class SparseCoreEmbedding:
     ) -> tuple[Array, dict[str, Array], Array | None]:
         """The traceable update of one stack from its activations' gradient `[N*B, D]` (the
         layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace
-        (`[devices * workspace_rows, D]`, any content; None: a zeroed one made in the program,
-        for a caller that keeps none between steps)."""
+        (`[devices * workspace_rows, D]`: given all zeros, as `new_workspaces` makes it and every
+        update leaves it, and returned so; None: a zeroed one made in the program, for a caller
+        that keeps none between steps)."""
         missing = [field for field in _SIDE_CAR if field not in buffers]
         if missing:
             raise ValueError(

@@ -31,7 +31,7 @@ def test_ops_follow_torchtpu_argument_order():
     adagrad = torch.ops.tpu.sparse_dense_matmul_grad_with_adagrad
     assert _argument_names(adagrad) == [
         *BUFFERS, "embedding_table", "accumulator", "step", "activations_grad", "learning_rate", "epsilon",
-        "clip_gradient", *statics,
+        "clip_gradient", "gradient_workspace", *statics,  # TorchTPU's, then the stand-in's scratch
     ]
     assert _argument_names(torch.ops.tpu.sparse_dense_matmul_grad_with_sgd)[6:11] == [
         "embedding_table", "step", "activations_grad", "learning_rate", "clip_gradient",
@@ -74,7 +74,7 @@ def test_bad_static_arguments_are_named(module_and_batch):
     with pytest.raises(ValueError, match="updates with Adagrad, not SGD"):
         torch.ops.tpu.sparse_dense_matmul_grad_with_sgd(
             *batch.buffers[name], state.table(name), state.step(name), grad, *state.hyperparameters(opt.SGD()),
-            **computation.static_args,
+            state.workspace(name), **computation.static_args,
         )
 
 

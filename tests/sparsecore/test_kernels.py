@@ -2,8 +2,8 @@
 
 * Lookup and a fused update (SGD and Adagrad) agree with a NumPy model of the ragged inputs.
 * Buffers whose slots outside the partitions (gaps, pads, the undefined tail) hold garbage --
-  huge and negative ids, NaN and inf gains -- give bit-identical results, and so does an update
-  whose gradient workspace holds NaN (a step clears the rows it uses, whatever they held).
+  huge and negative ids, NaN and inf gains -- give bit-identical results; an update leaves its
+  gradient workspace all zeros, as it found it (the next step relies on that).
 * The compiled lookup and update contain no copy of a table-sized buffer, and the update aliases
   the donated table, slots and workspace to its outputs. The detector is checked on a program
   that does copy.
@@ -133,10 +133,12 @@ def test_random_topologies_match_numpy_model_even_with_garbage(
         if batch is clean:
             new_tables, new_slots = engine.update(fresh_tables, fresh_slots, batch, grads)
         else:
-            workspaces = {k: w * np.nan for k, w in engine.new_workspaces().items()}
-            new_tables, new_slots, _ = engine.update_program(
-                fresh_tables, fresh_slots, workspaces, engine.put_batch(batch), grads, engine.hyperparameters()
+            new_tables, new_slots, workspaces = engine.update_program(
+                fresh_tables, fresh_slots, engine.new_workspaces(), engine.put_batch(batch), grads,
+                engine.hyperparameters(),
             )
+            for workspace in workspaces.values():
+                assert not np.asarray(workspace).any()
         results.append((engine.unstack_tables(new_tables), engine.unstack_slots(new_slots)))
     (got, got_slots), (dirty_got, dirty_slots) = results
     for table in tables:
@@ -231,10 +233,14 @@ def compiled(request):
         .as_text()
     )
     rows = state[stacks[0].name].shape[0] // devices
-    return lookup, update, rows
+    workspace_rows = engine.new_workspaces()[stacks[0].name].shape[0] // devices
+    return lookup, update, min(rows, workspace_rows)
 
 
-def test_compiled_lookup_and_update_copy_no_table(compiled):
+def test_compiled_lookup_and_update_copy_no_table_nor_workspace(compiled):
+    """`rows`: the smaller of a device's table and workspace rows. The optimizer loop reads a
+    block of workspace rows and clears it in place; XLA copies the whole workspace if it cannot
+    order the read before the write."""
     lookup, update, rows = compiled
     assert table_sized_copies(lookup, rows) == []
     assert table_sized_copies(update, rows) == []
@@ -301,6 +307,40 @@ def test_tpu_update_rejects_per_row_slots():
 
 
 # ----------------------------------------------------------------------------- buffer checks
+
+
+def test_optimizer_loop_clears_exactly_the_slots_it_applied():
+    """The optimizer loop walks each target SparseCore's used workspace slots in steps of
+    `row_step`; a target's last step can reach into the next target's slots (here M = 12 slots
+    per target, steps of 8). Every used slot is applied once and left zero, and a slot of the next
+    target read by that overreaching step keeps its gradient until its own step applies it."""
+    from sparsecore.kernels.geometry import KernelGeometry
+    from sparsecore.kernels.grad_update import apply_optimizer, workspace_rows
+
+    geometry = KernelGeometry(
+        name="overreach", num_devices=1, sparsecores_per_device=2, row_pointers_per_sparsecore=8,
+        coo_buffer_size=16, batch_size_per_sparsecore=4, rows_per_shard=16, embedding_dim=4,
+        logical_embedding_dim=4, max_ids_per_partition=8, max_unique_ids_per_partition=8,
+        unique_rows_per_partition=12, entry_chunk=8, row_chunk=8,
+    )
+    merged, step = geometry.merged_rows_per_sparsecore, geometry.row_step
+    assert (merged, step) == (12, 8)
+    counts = np.array([10, 5], np.int32)  # target 0's second step reads slots 8..15, i.e. 12..15 of target 1
+    rng = np.random.default_rng(0)
+    workspace = np.zeros((workspace_rows(geometry), 4), np.float32)
+    rows = np.full(2 * merged, geometry.rows_per_device, np.int32)
+    table = rng.normal(size=(geometry.rows_per_device, 4)).astype(np.float32)
+    want = table.copy()
+    for target, count in enumerate(counts):
+        slots = target * merged + np.arange(count)
+        rows[slots] = target * geometry.rows_per_shard + rng.permutation(geometry.rows_per_shard)[:count]
+        workspace[slots] = rng.normal(size=(count, 4))
+        want[rows[slots]] -= 0.5 * workspace[slots]
+    new_table, _, new_workspace = jax.jit(
+        lambda t, w, r, c: apply_optimizer(t, {}, w, r, c, opt.SGD(), {"learning_rate": jnp.float32(0.5)}, geometry)
+    )(table, workspace, rows, counts)
+    np.testing.assert_allclose(np.asarray(new_table), want, rtol=1e-6)
+    assert not np.asarray(new_workspace).any()
 
 
 def test_loop_lanes_must_be_a_power_of_two():

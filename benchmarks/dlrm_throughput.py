@@ -23,8 +23,8 @@ reach.
     python benchmarks/dlrm_throughput.py [--size mlperf] [--steps 100] [--modes strict defer compiled]
 
 100 timed steps by default (7-10 s a side on the development machine): with 30, the ratio to
-TorchRec moved by up to 0.3 between consecutive runs (1.05-1.37x); with 100, by under 0.1
-(1.24-1.33x, four runs).
+TorchRec moved by up to 0.3 between consecutive runs (1.05-1.37x); with 100, by under 0.1 (four
+runs).
 """
 
 from __future__ import annotations

@@ -374,16 +374,15 @@ class SparseCoreEmbedding:
         name: str,
         table: Array,
         slots: Mapping[str, Array],
-        workspace: Array | None,
+        workspace: Array,
         buffers: Mapping[str, Array],
         activation_grads: Array,
         hyperparameters: Mapping[str, Array],
-    ) -> tuple[Array, dict[str, Array], Array | None]:
+    ) -> tuple[Array, dict[str, Array], Array]:
         """The traceable update of one stack from its activations' gradient `[N*B, D]` (the
         layout `lookup_stack` returns): the new table, slots (with `STEP` counted) and workspace
         (`[devices * workspace_rows, D]`: given all zeros, as `new_workspaces` makes it and every
-        update leaves it, and returned so; None: a zeroed one made in the program, for a caller
-        that keeps none between steps)."""
+        update leaves it, and returned so)."""
         missing = [field for field in _SIDE_CAR if field not in buffers]
         if missing:
             raise ValueError(

@@ -19,7 +19,7 @@ The table, the slots and the gradient workspace are donated by the caller; this 
 gather of the table outside the update loop, which is what keeps XLA from copying the table. The
 workspace is all zeros between steps: a step writes only the slots its batch uses, and step 4
 clears each slot as it reads it, so the next step finds it zeroed without a pass over the whole
-of it (a caller that keeps none gets one zeroed in the program, 31 MB on the mlperf DLRM).
+of it (31 MB on the mlperf DLRM).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from sparsecore.kernels.routing import (
     route_entries,
     route_unique_rows,
 )
-from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows, varying
+from sparsecore.kernels.rows import accumulate_rows, gather_rows, scatter_rows
 from sparsecore.optimizers import OptimizerSpec
 from sparsecore.preprocess import PAD_ID
 
@@ -182,7 +182,7 @@ def update_local(
     activation_grads: Array,
     table: Array,
     slots: Mapping[str, Array],
-    workspace: Array | None,
+    workspace: Array,
     hyperparameters: Mapping[str, Array],
     *,
     geometry: KernelGeometry,
@@ -193,15 +193,13 @@ def update_local(
 
     Buffers and side-car are this device's 1-D / `[N, U]` arrays, `activation_grads [S*B, D]`,
     `table [S*Vs, D]`, each slot `[S*Vs, width]`, `workspace [workspace_rows, D]` (all zeros, as
-    the previous step left it) or None for a zeroed one made here, for a caller that keeps none
-    between steps. Returns the updated table, slots and the workspace, all zeros again.
+    the previous step left it). Returns the updated table, slots and the workspace, all zeros
+    again.
     """
     entries = route_entries(
         row_pointers, embedding_ids, sample_ids, gains, entry_unique_index, geometry, axis_name
     )
     slot_of, rows, counts = merge_unique_rows(route_unique_rows(unique_ids, geometry, axis_name), geometry)
     grads = gather_activation_grads(activation_grads, geometry, axis_name)
-    if workspace is None:
-        workspace = varying(jnp.zeros((workspace_rows(geometry), activation_grads.shape[1]), jnp.float32), axis_name)
     workspace = accumulate_gradients(workspace, grads, entries, entry_slots(entries, slot_of, geometry), geometry)
     return apply_optimizer(table, slots, workspace, rows, counts, optimizer, hyperparameters, geometry)

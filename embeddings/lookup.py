@@ -2,8 +2,9 @@
 `torch.ops.tpu.sparse_dense_matmul`; the backward runs the stack's update,
 `torch.ops.tpu.sparse_dense_matmul_grad_with_<optimizer>_`, in place on the module's table,
 slots, update count and gradient workspace. So the optimizer is applied during
-`loss.backward()`, and the table never gets a `.grad` (its gradient is returned as None). The eager executors donate the table's
-buffer to the update, which scatters into it: no table-sized copy per step.
+`loss.backward()`, and the table never gets a `.grad` (its gradient is returned as None). The
+eager executors donate the table's buffer to the update, which scatters into it: no table-sized
+copy per step.
 
 Inside `torch.compile` graphs the functional update runs and its results are `copy_`d into the
 state: AOTAutograd keeps those writes as the backward graph's input mutations, which the tpu

@@ -301,8 +301,9 @@ class _SparseCoreCollection(nn.Module, FusedOptimizerModule):
         """Per stack: its features' names and dims, and their activations for this process's
         samples side by side, `[samples, sum of dims]`, sample-major.
 
-        A stack's lookup gives each local SparseCore its samples feature after feature. Regrouping
-        them by sample is one transpose when the features share a sample count and the stack's
+        A stack's lookup gives each local SparseCore its samples feature after feature, in the
+        stack's order (an invariant `sparsecore.layout.StackedTable` checks). Regrouping them by
+        sample is one transpose when the features share a sample count and the stack's
         dim (the common case), else one split and a copy per feature. Either way the backward
         passes over the stack's gradient once: slicing each feature out of the stack on its own
         would make autograd add a zero-padded gradient of the whole stack per feature."""

@@ -143,7 +143,9 @@ class StackedTable:
     `tables` keep their own `TableSpec`s, per-table limits included; `embedding_dim` is their
     widest dim padded to the chip's alignment; `max_ids_per_partition` and
     `max_unique_ids_per_partition` are the limits of the whole stack (what one SparseCore may
-    send to one partition) and size its buffers.
+    send to one partition) and size its buffers. Every SparseCore's batch holds the `features`'
+    samples one feature after another, in their order and with no gap (checked here; the torch
+    modules regroup activations by it).
     """
 
     name: str
@@ -163,6 +165,20 @@ class StackedTable:
         if size is not None and size <= 0:
             raise ValueError(
                 f"stack {self.name!r}: suggested_coo_buffer_size_per_device must be positive"
+            )
+        start = 0
+        for placement in self.features:
+            if placement.sample_offset_in_sparsecore != start:
+                raise ValueError(
+                    f"stack {self.name!r}: feature {placement.feature.name!r} starts at sample "
+                    f"{placement.sample_offset_in_sparsecore} of each SparseCore's batch, expected "
+                    f"{start} (features follow one another in order)"
+                )
+            start += placement.samples_per_sparsecore
+        if start != self.batch_size_per_sparsecore:
+            raise ValueError(
+                f"stack {self.name!r}: its features fill {start} samples of each SparseCore's "
+                f"batch of {self.batch_size_per_sparsecore}"
             )
         for what, value in (
             ("rows per shard", self.rows_per_shard),

@@ -180,8 +180,6 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded copy of `tensor` (a `tpu` or CPU tensor), split by rows over `mesh()`.
 
     In a multi-process job every process passes the same full tensor and keeps its own blocks."""
-    import jax
-
     from torchtpu.exec import memory
 
     _check_rows(tuple(tensor.shape), "shard")

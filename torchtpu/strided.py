@@ -170,8 +170,9 @@ def _rows(flat, offset: int, core_sizes: list[int], core_strides: list[int]):
 
     When the region's inner extent fits in its row of the storage seen as `[rows, s0]` (a column
     block: `x[:, a:b]`, a `select` of an inner dim), this is a 2-D slice of that matrix, padded
-    only on the block's own columns: no pass over the whole storage, and under `one_trace` the
-    views of one storage are slices of one array, which XLA sees through. Otherwise (a region
+    only on the block's own columns: no pass over the whole storage (unless its length is not a
+    multiple of `s0`: it is then padded to whole rows), and under `one_trace` the views of one
+    storage are slices of one array, which XLA sees through. Otherwise (a region
     that wraps past a row's end) the storage is read from `offset` as flat."""
     n0, s0 = core_sizes[0], core_strides[0]
     row, col = divmod(offset, s0)

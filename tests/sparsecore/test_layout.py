@@ -317,3 +317,19 @@ def test_stack_too_large_for_int32_buffers_is_rejected():
     huge = TableSpec("huge", 2**33, 8)
     with pytest.raises(ValueError, match="stack 'huge': 2147483648 rows per shard do not fit"):
         stack_tables([FeatureSpec("f", huge, 4)], Topology.cpu(1, 4))
+
+
+def test_features_must_fill_each_sparsecore_batch_in_order():
+    """Each SparseCore's batch holds the features' samples one after another, in order: a stack
+    whose placements say otherwise is rejected (the torch modules regroup activations by it)."""
+    import dataclasses
+
+    tables = [TableSpec("a", 64, 8), TableSpec("b", 64, 8)]
+    features = [FeatureSpec("fa", tables[0], 8), FeatureSpec("fb", tables[1], 8)]
+    (stack,) = stack_tables(features, Topology.cpu(1, 2), [StackGroup(("a", "b"))])
+    assert [p.sample_offset_in_sparsecore for p in stack.features] == [0, 4]
+    with pytest.raises(ValueError, match="feature 'fb' starts at sample 4 .* expected 0"):
+        dataclasses.replace(stack, features=stack.features[::-1])
+    with pytest.raises(ValueError, match="its features fill 4 samples of each SparseCore's batch of 8"):
+        short = dataclasses.replace(stack.features[1], samples_per_sparsecore=0)
+        dataclasses.replace(stack, features=(stack.features[0], short))

@@ -8,7 +8,6 @@ same error, so a mismatch can neither hang a rank nor deliver data to the wrong 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -118,6 +117,16 @@ def split_sizes(collective: str, splits_name: str, t: torch.Tensor, t_name: str,
     return splits
 
 
+def contiguous(collective: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Cpu tensors travel as they lie in memory: each must be one contiguous block."""
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"tpu_dist {collective}: cpu tensor {i} of the call is not contiguous (stride "
+                f"{t.stride()} for shape {tuple(t.shape)}); pass .contiguous() tensors"
+            )
+
+
 def row_shapes(collective: str, output: torch.Tensor, input: torch.Tensor) -> None:
     if output.shape[1:] != input.shape[1:]:
         raise ValueError(
@@ -146,16 +155,6 @@ class ExchangeSizes:
     def splits(self, rank: int) -> tuple[list[int], list[int]]:
         """`rank`'s (input, output) split sizes."""
         return self.send[rank].tolist(), self.send[:, rank].tolist()
-
-    def gloo_splits(self, rank: int) -> tuple[list[int], list[int]]:
-        """`rank`'s split sizes as gloo's all-to-all takes them: none when every rank sends every
-        rank the same (non-empty) rows, which runs gloo's even all-to-all, faster than its uneven
-        one."""
-        return ([], []) if self._even else self.splits(rank)
-
-    @functools.cached_property
-    def _even(self) -> bool:
-        return bool(self.row_numel and self.send[0, 0] and (self.send == self.send[0, 0]).all())
 
 
 def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:

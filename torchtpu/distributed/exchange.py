@@ -1,12 +1,9 @@
 """Agreeing on all-to-all sizes before data moves, and moving data on a guess while agreeing.
 
 Gloo aborts the process, or waits forever, when a rank sends a peer more or fewer bytes than the
-peer expects. So before an all-to-all every rank's sizes are gathered (one small gloo
-collective) and checked (`checks.check_exchange_table`): every rank reaches the same verdict,
-and only agreed sizes ever reach gloo. The gather is an all-to-all in which each rank sends every
-rank its row: the table an all-gather gives, for less of gloo's time (at world size 2, starting
-its all-gather costs the calling thread ~85 us against ~43, and a call of it ~0.8-1 ms against
-~0.65 before the table is there).
+peer expects. So before an all-to-all every rank's sizes are gathered (each rank sends every
+other rank its row of sizes, `pairwise`) and checked (`checks.check_exchange_table`): every rank
+reaches the same verdict, and only agreed sizes ever reach gloo.
 
 That gather costs a round trip as long as a small all-to-all itself. Repeated exchanges of one
 shape (the pooled embeddings of every training step, a benchmark) need not wait for it: once two
@@ -22,10 +19,11 @@ taken from a guess that the gathered sizes did not confirm. `torchtpu.metrics()`
 confirmed (`dist_all_to_all_guessed`) and missed (`dist_all_to_all_guess_missed`).
 
 The rows do not travel inside the guessed data exchange instead of the gather (each region
-followed by its sender's row, every rank receiving the whole table with the data): that copies
-the input into a framed send buffer and the received regions out into the output, which costs
-more than the gather (world size 2, bus bandwidth against gloo: 0.35-0.74x at 1 MiB, 0.44-0.55x
-at 4 and 16 MiB, against 0.48-0.73x and 0.73-1.02x with the gather; no gain at 64-256 KiB).
+followed by its sender's row): that copies the input into a framed send buffer and the received
+regions out into the output, which cost more than the gather did when both were gloo
+collectives (world size 2, bus bandwidth against gloo: 0.35-0.74x at 1 MiB, 0.44-0.55x at 4 and
+16 MiB, against 0.48-0.73x and 0.73-1.02x with the gather). As point-to-point messages, the row
+and the data of a peer already travel back to back.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import torch.distributed as dist
 from torchtpu import counters
 from torchtpu.distributed import checks
 from torchtpu.distributed.checks import ExchangeSizes
+from torchtpu.distributed.pairwise import Pairwise, PairwiseWork
 from torchtpu.distributed.work import CollectiveError
 
 # `stage(sizes)` stages this rank's buffers for an exchange of `sizes` and returns what starts it.
@@ -49,13 +48,12 @@ Stage = Callable[[ExchangeSizes], Callable[[], dist.Work]]
 class SizeExchange:
     """The size agreements of one process group's all-to-alls, and the guess they make."""
 
-    def __init__(self, gloo: dist.ProcessGroupGloo, rank: int, size: int) -> None:
-        self._gloo = gloo
+    def __init__(self, pairwise: Pairwise, rank: int, size: int) -> None:
+        self._pairwise = pairwise
         self._rank = rank
         self._size = size
-        self._even = dist.AllToAllOptions()
-        # The gather's buffers (table, rows sent, and their numpy views), reused by the next
-        # gather once this one completed (a gather that failed may still use them: dropped).
+        # The gather's table (and its numpy view), reused by the next gather once this one
+        # completed (a gather that failed may still use it: dropped).
         self._spare: tuple | None = None
         # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
         # agreement before it was the same: the guess for the next call, and this rank's row in it.
@@ -68,8 +66,8 @@ class SizeExchange:
         table = self._gathered(collective, self._gather(collective, row))
         return checks.check_exchange_table(collective, table, unit, send_name, recv_name)
 
-    def all_to_all(self, collective: str, row: tuple[int, ...], stage: Stage, opts: dist.AllToAllOptions, unit: str,
-                   send_name: str, recv_name: str) -> dist.Work:
+    def all_to_all(self, collective: str, row: tuple[int, ...], stage: Stage, unit: str, send_name: str,
+                   recv_name: str) -> dist.Work:
         """Agree on sizes, then start this rank's part of the exchange, staged by `stage(sizes)`;
         on a guess, staged before the sizes are gathered and started while they are (see the
         module docstring), so that nothing but starting gloo happens between the two."""
@@ -78,7 +76,7 @@ class SizeExchange:
         try:
             start = None
             if guess is not None:
-                start = stage(guess) if row == self._guessed_row else self._stand_in(guess, opts)
+                start = stage(guess) if row == self._guessed_row else self._stand_in(guess)
             pending = self._gather(collective, row)
             if start is not None:
                 early = start()
@@ -102,20 +100,21 @@ class SizeExchange:
             early.wait()
         return stage(sizes)()
 
-    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[tuple, dist.Work]:
-        """Start gathering every rank's `row` into a table: an all-to-all in which each rank sends
-        every rank its row. Its buffers are the spare ones when their length fits, else new."""
+    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[tuple, PairwiseWork]:
+        """Start gathering every rank's `row` into a table: each rank sends every other rank its
+        row. The table is the spare one when its row length fits, else new."""
         spare, self._spare = self._spare, None
-        if spare is None or spare[3].shape[1] != len(row):
-            table, sent = (torch.empty(self._size * len(row), dtype=torch.int64) for _ in range(2))
-            spare = (table, sent, table.numpy().reshape(self._size, -1), sent.numpy().reshape(self._size, -1))
-        spare[3][:] = row
+        if spare is None or spare[1].shape[1] != len(row):
+            table = torch.empty((self._size, len(row)), dtype=torch.int64)
+            spare = (table, table.numpy())
+        table = spare[0]
+        spare[1][self._rank] = row
         try:
-            return spare, self._gloo.alltoall_base(spare[0], spare[1], [], [], self._even)
+            return spare, self._pairwise.exchange(list(table), [table[self._rank]] * self._size)
         except RuntimeError as error:
             raise self._failed(collective, error) from error
 
-    def _gathered(self, collective: str, pending: tuple[tuple, dist.Work]) -> np.ndarray:
+    def _gathered(self, collective: str, pending: tuple[tuple, PairwiseWork]) -> np.ndarray:
         """The gathered table, valid until the next gather (which reuses its memory)."""
         buffers, work = pending
         try:
@@ -123,19 +122,18 @@ class SizeExchange:
         except RuntimeError as error:
             raise self._failed(collective, error) from error
         self._spare = buffers
-        return buffers[2]
+        return buffers[1]
 
     def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")
 
-    def _stand_in(self, guess: ExchangeSizes, opts: dist.AllToAllOptions) -> Callable[[], dist.Work]:
+    def _stand_in(self, guess: ExchangeSizes) -> Callable[[], dist.Work]:
         """This rank's part of the guessed exchange when its own call differs from the guess:
         the guessed bytes, sent from and received into scratch buffers."""
         send, recv = guess.splits(self._rank)
-        gloo_send, gloo_recv = guess.gloo_splits(self._rank)
         source = torch.zeros((sum(send), guess.row_numel), dtype=guess.dtype)
         scratch = torch.empty((sum(recv), guess.row_numel), dtype=guess.dtype)
-        return functools.partial(self._gloo.alltoall_base, scratch, source, gloo_recv, gloo_send, opts)
+        return functools.partial(self._pairwise.exchange, scratch.split(recv), source.split(send))
 
 
 def _finish(work: dist.Work) -> None:

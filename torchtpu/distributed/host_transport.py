@@ -14,7 +14,10 @@ copied on our side:
 - any other output receives into a pooled host buffer that then becomes the output's device
   buffer (`memory.move_from_host`), or is copied into it when the output is a view. An
   all_reduce of such a tensor copies its value into that buffer first, since device buffers are
-  immutable; the list form of all-to-all concatenates its inputs.
+  immutable.
+
+All-to-alls move as point-to-point messages (`pairwise`), each peer's region straight from the
+input's memory into the output's.
 
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from torchtpu import counters, runtime, storage
 from torchtpu.distributed.checks import ExchangeSizes
+from torchtpu.distributed.pairwise import Pairwise, copy_bytes
 from torchtpu.distributed.work import TpuWork
 from torchtpu.exec import memory
 
@@ -211,13 +215,6 @@ def _borrowed_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> to
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy contiguous `src` into `dst` with one memcpy (NumPy's; PyTorch's parallel copy stalls
-    when the host's cores are busy, e.g. with the other ranks of a collective)."""
-    if dst.numel():
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
-
-
 class _Staging:
     """The host buffers of one collective, and which tpu output each result goes to.
 
@@ -245,7 +242,7 @@ class _Staging:
         if owned is not None:
             return self._lend(owned, t)
         host = self.buffers.take(tuple(t.shape), t.dtype)
-        _copy_bytes(host, host_view(t))
+        copy_bytes(host, host_view(t))
         self.moves.append((t, host))
         return _borrowed(host)
 
@@ -272,21 +269,6 @@ class _Staging:
         self.held.append(_jax().buffer_to_dlpack_managed_tensor(array, stream=None))
         return _borrowed_at(array.unsafe_buffer_pointer(), t.dtype, tuple(t.shape))
 
-    def read_flat(self, ts: Tensors) -> torch.Tensor:
-        """Several inputs, copied into one flat host buffer."""
-        flat = self.buffers.take((sum(t.numel() for t in ts),), ts[0].dtype)
-        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
-            _copy_bytes(piece, host_view(t))
-        self.held.append(flat)
-        return _borrowed(flat)
-
-    def receive_flat(self, ts: Tensors) -> torch.Tensor:
-        """One flat host buffer for several outputs, each receiving its piece."""
-        flat = self.buffers.take((sum(t.numel() for t in ts),), ts[0].dtype)
-        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
-            self.moves.append((t, piece.view(t.shape)))
-        return _borrowed(flat)
-
     def deliver(self) -> None:
         self.held.clear()
         for dst, src in self.moves:
@@ -301,8 +283,9 @@ class HostTransport:
     (in place, or aliasing it) is then claimed while the input's host view exists, so it gets
     memory of its own and gloo never writes what it still has to read."""
 
-    def __init__(self, gloo: dist.ProcessGroupGloo, rank: int) -> None:
+    def __init__(self, gloo: dist.ProcessGroupGloo, pairwise: Pairwise, rank: int) -> None:
         self._gloo = gloo
+        self._pairwise = pairwise
         self._rank = rank
         self._buffers = ReceiveBuffers()
         # Gloo holds only borrowed views: the staging of each launched collective stays here
@@ -359,27 +342,24 @@ class HostTransport:
         work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
-    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
-                                opts: dist.AllToAllOptions) -> Callable[[], TpuWork]:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes) -> Callable[[], TpuWork]:
         """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
         s = _Staging(self._buffers)
-        input_splits, output_splits = sizes.gloo_splits(self._rank)
-        host_in = s.read(input)
-        host_out = s.receive(output)
+        send, recv = sizes.splits(self._rank)
+        host_in = s.read(input).split(send)
+        host_out = s.receive(output).split(recv)
 
         def start() -> TpuWork:
-            work = self._gloo.alltoall_base(host_out, host_in, output_splits, input_splits, opts)
-            return self._launch("all_to_all_single", s, work, [output])
+            return self._launch("all_to_all_single", s, self._pairwise.exchange(host_out, host_in), [output])
 
         return start
 
-    def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
-        """The list form, as one uneven all-to-all of the concatenated tensors: gloo's own list
-        form hangs when the tensors differ in size."""
+    def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes) -> TpuWork:
+        """The list form: tensor j goes to rank j, each straight from and into its own buffer
+        (`sizes`, agreed, are those of the tensors)."""
         s = _Staging(self._buffers)
-        input_splits, output_splits = sizes.gloo_splits(self._rank)
-        host_in = s.read_flat(inputs)
-        work = self._gloo.alltoall_base(s.receive_flat(outputs), host_in, output_splits, input_splits, opts)
+        host_in = [s.read(t) for t in inputs]
+        work = self._pairwise.exchange([s.receive(t) for t in outputs], host_in)
         return self._launch("all_to_all", s, work, outputs)
 
     def send(self, tensors: Tensors, dst: int, tag: int) -> TpuWork:

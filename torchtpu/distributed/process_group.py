@@ -13,9 +13,11 @@ A Python `ProcessGroup` (PyTorch's trampoline forwards C++ callers -- DDP's redu
 An all-to-all first agrees with every rank on the sizes each sends each (`exchange`), so
 mismatched splits raise the same error everywhere instead of hanging or misdelivering; where all
 bytes go through gloo, repeated sizes are guessed and the data moves while they are confirmed.
+The sizes, and the bytes of all-to-alls that go through gloo (of cpu tensors too), travel as
+point-to-point messages on a gloo group of their own (`pairwise`).
 
-Both paths share one gloo backend, built on the group's own store, so the bytes travel through
-PyTorch's transport, not a home-made one. One process drives one tpu device: the group binds to
+Both paths share one gloo backend for everything else, built on the group's own store, so the
+bytes travel through PyTorch's transport, not a home-made one. One process drives one tpu device: the group binds to
 the device of its first tpu collective and rejects tensors on any other.
 """
 
@@ -34,6 +36,8 @@ from torch.distributed import distributed_c10d
 from torchtpu.distributed import checks
 from torchtpu.distributed.exchange import SizeExchange
 from torchtpu.distributed.host_transport import HostTransport
+from torchtpu.distributed.pairwise import Pairwise
+from torchtpu.distributed.work import TpuWork
 
 BACKEND_NAME = "tpu_dist"
 TRANSPORT_ENV = "TORCHTPU_DIST_TRANSPORT"
@@ -48,8 +52,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         super().__init__(rank, size)
         self._group_rank, self._world_size = rank, size  # the C++ getters cost a GIL release a call
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self._transport = _transport(self._gloo, store, rank, size)
-        self._sizes = SizeExchange(self._gloo, rank, size)
+        self._pairwise = Pairwise(store, rank, size, timeout)
+        self._transport = _transport(self._gloo, self._pairwise, store, rank, size)
+        self._sizes = SizeExchange(self._pairwise, rank, size)
         # Data moves on guessed sizes only where every rank's bytes go through gloo; the group
         # decides once, so all ranks decide alike (see `exchange`).
         self._guesses = isinstance(self._transport, HostTransport)
@@ -174,20 +179,20 @@ class ProcessGroupTPU(dist.ProcessGroup):
         elif output.shape[0] == 0 and input.dim() > 0:
             output = output.reshape(0, *input.shape[1:])
         checks.row_shapes(c, output, input)
+        if backend is self._gloo:
+            checks.contiguous(c, [output, input])
         send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self._world_size)
         recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self._world_size)
         row = checks.exchange_values(send, recv, checks.row_numel(input), input.dtype)
-        opts = opts or c10d.AllToAllOptions()
 
         def stage(sizes: checks.ExchangeSizes) -> Callable[[], dist.Work]:
             if backend is self._gloo:
-                send_splits, recv_splits = sizes.gloo_splits(self._group_rank)
-                return functools.partial(self._gloo.alltoall_base, output, input, recv_splits, send_splits, opts)
-            return backend.stage_all_to_all_single(output, input, sizes, opts)
+                return functools.partial(self._exchange_on_host, c, output.split(recv), input.split(send), [output])
+            return backend.stage_all_to_all_single(output, input, sizes)
 
         names = ("rows", "input_split_sizes", "output_split_sizes")
         if self._guesses:
-            return self._sizes.all_to_all(c, row, stage, opts, *names)
+            return self._sizes.all_to_all(c, row, stage, *names)
         return stage(self._sizes.agree(c, row, *names))()
 
     alltoall_base = all_to_all_single
@@ -198,18 +203,20 @@ class ProcessGroupTPU(dist.ProcessGroup):
         backend = self._route(c, [*output_tensors, *input_tensors])
         checks.list_length(c, "output_tensor_list", output_tensors, self._world_size)
         checks.list_length(c, "input_tensor_list", input_tensors, self._world_size)
+        if backend is self._gloo:
+            checks.contiguous(c, [*output_tensors, *input_tensors])
         row = checks.exchange_values([t.numel() for t in input_tensors], [t.numel() for t in output_tensors], 1,
                                      input_tensors[0].dtype)
         sizes = self._sizes.agree(c, row, "elements", "input_tensor_list", "output_tensor_list")
-        opts = opts or c10d.AllToAllOptions()
         if backend is not self._gloo:
-            return backend.alltoall(output_tensors, input_tensors, sizes, opts)
-        if len(set(sizes.send.flat)) > 1:
-            raise ValueError(
-                f"tpu_dist {c}: gloo's list all_to_all of cpu tensors needs tensors of one size (it "
-                f"waits forever otherwise); use all_to_all_single, or tpu tensors"
-            )
-        return self._gloo.alltoall(output_tensors, input_tensors, opts)
+            return backend.alltoall(output_tensors, input_tensors, sizes)
+        return self._exchange_on_host(c, output_tensors, input_tensors, output_tensors)
+
+    def _exchange_on_host(self, collective: str, outputs: Tensors, inputs: Tensors, result: Tensors) -> dist.Work:
+        """An all-to-all of cpu tensors, of agreed sizes: each rank's piece straight from and into
+        the caller's memory (see `pairwise`)."""
+        work = self._pairwise.exchange(outputs, inputs)
+        return TpuWork(collective, self._group_rank, lambda timeout: work.wait(timeout), result)
 
     def barrier(self, opts: c10d.BarrierOptions | None = None) -> dist.Work:
         if self._closed:
@@ -230,7 +237,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._route("recv", tensors).recv_anysource(tensors, tag)
 
 
-def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int):
+def _transport(gloo: dist.ProcessGroupGloo, pairwise: Pairwise, store: dist.Store, rank: int, size: int):
     """The one switch: XLA collectives on TPU, gloo over host buffers everywhere else.
 
     `TORCHTPU_DIST_TRANSPORT=xla` (or `host`) overrides it: the tests run the XLA transport on
@@ -239,9 +246,9 @@ def _transport(gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: 
 
     choice = os.environ.get(TRANSPORT_ENV) or ("xla" if xla_transport.on_tpu() else "host")
     if choice == "xla":
-        return xla_transport.XlaTransport(gloo, store, rank, size)
+        return xla_transport.XlaTransport(gloo, pairwise, store, rank, size)
     if choice == "host":
-        return HostTransport(gloo, rank)
+        return HostTransport(gloo, pairwise, rank)
     raise ValueError(f"{TRANSPORT_ENV}={choice!r}: expected 'xla' or 'host'")
 
 

@@ -33,6 +33,7 @@ from torchtpu import runtime, storage
 from torchtpu.distributed import xla_collectives as programs
 from torchtpu.distributed.checks import ExchangeSizes
 from torchtpu.distributed.host_transport import HostTransport
+from torchtpu.distributed.pairwise import Pairwise
 from torchtpu.distributed.work import TpuWork
 from torchtpu.exec import memory
 
@@ -66,13 +67,13 @@ def _op_name(op: dist.ReduceOp) -> str:
 class XlaTransport:
     """c10d collectives on tpu tensors as XLA collectives across the ranks' devices."""
 
-    def __init__(self, gloo: dist.ProcessGroupGloo, store: dist.Store, rank: int, size: int) -> None:
+    def __init__(self, gloo: dist.ProcessGroupGloo, pairwise: Pairwise, store: dist.Store, rank: int, size: int) -> None:
         if not dist.is_initialized():  # the default group, being created by init_process_group
             runtime.configure_distributed_from_store(store, rank, size, key="xla/coordinator")
         self._gloo = gloo
         self._rank = rank
         self._size = size
-        self._host = HostTransport(gloo, rank)
+        self._host = HostTransport(gloo, pairwise, rank)
         self._mesh = None
 
     # --- plumbing ---------------------------------------------------------------------------
@@ -202,8 +203,7 @@ class XlaTransport:
         received = self._mine(programs.ragged_all_to_all(mesh)(*args))
         return received[: int(sends[:, self._rank].sum())].reshape(-1)
 
-    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes,
-                                opts: dist.AllToAllOptions) -> Callable[[], TpuWork]:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes) -> Callable[[], TpuWork]:
         """What runs the all-to-all (XLA stages nothing ahead: the program runs when started)."""
         return functools.partial(self._all_to_all_single, output, input, sizes)
 
@@ -214,7 +214,7 @@ class XlaTransport:
         self._write(output, out)
         return self._done("all_to_all_single", [out], [output])
 
-    def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes, opts: dist.AllToAllOptions) -> TpuWork:
+    def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes) -> TpuWork:
         import jax.numpy as jnp
 
         flat = jnp.concatenate([memory.to_array(t) for t in inputs])

@@ -374,10 +374,11 @@ def _tagged_rows(src: int, rows: np.ndarray, width: int) -> np.ndarray:
 
 def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
     """Random uneven split patterns (zeros included): every received element is the one the
-    NumPy model says, in every dtype, shape and sync/async mode."""
-    device = torch.device("tpu", rank)
+    NumPy model says, in every dtype, shape and sync/async mode, on tpu tensors and (every
+    fifth pattern) on cpu tensors through the mixed group."""
     rng = np.random.default_rng(2024 + world)  # the same patterns on every rank
     for p in range(patterns):
+        device = torch.device("cpu") if p % 5 == 4 else torch.device("tpu", rank)
         rows = rng.integers(0, 6, (world, world))
         rows[rng.random((world, world)) < rng.uniform(0.1, 0.6)] = 0
         width = (1, 3)[p % 2]
@@ -450,6 +451,31 @@ def guessed_all_to_all(rank: int, world: int) -> None:
     counted = [after.get(k, 0) - before.get(k, 0) for k in ("dist_all_to_all_guessed", "dist_all_to_all_guess_missed")]
     assert counted == [4, 2], f"rank {rank}: guesses confirmed/missed {counted}, expected [4, 2]"
     _outputs_stay_in_place(rank, world)
+    _exchanges_in_flight_together(rank, world)
+
+
+def _exchanges_in_flight_together(rank: int, world: int) -> None:
+    """Several all-to-alls in flight at once, of different sizes, with user point-to-point
+    messages between them, waited on in reverse order: each delivers its own bytes."""
+    tpu = torch.device("tpu", rank)
+    patterns = [np.full((world, world), n) for n in (3, 1, 4)]
+    launched = []
+    for k, rows in enumerate(patterns):
+        mine = torch.from_numpy(_tagged_rows(rank, rows, 2) + k * 100_000_000)
+        out = torch.full((int(rows[:, rank].sum()), 2), -7, dtype=torch.int64).to(tpu)
+        work = dist.all_to_all_single(out, mine.to(tpu), rows[:, rank].tolist(), rows[rank].tolist(), async_op=True)
+        peer = (rank + 1) % world
+        note = dist.isend(torch.full((3,), rank + 10 * k, device=tpu), peer, tag=0)
+        heard = torch.empty(3, dtype=torch.int64, device=tpu)
+        launched.append((k, rows, out, work, note, dist.irecv(heard, (rank - 1) % world, tag=0), heard))
+    for k, rows, out, work, note, hearing, heard in reversed(launched):
+        work.wait()
+        note.wait()
+        hearing.wait()
+        expected = np.concatenate([_tagged_rows(src, rows, 2)[rows[src, :rank].sum():][: rows[src, rank]]
+                                   for src in range(world)]) + k * 100_000_000
+        assert np.array_equal(out.cpu().numpy(), expected), f"rank {rank}: exchange {k} delivered other bytes"
+        assert heard.cpu().tolist() == [(rank - 1) % world + 10 * k] * 3, f"rank {rank}: message {k}"
 
 
 def _outputs_stay_in_place(rank: int, world: int) -> None:
@@ -515,10 +541,11 @@ def errors(rank: int, world: int) -> None:
     _raises(ValueError, "has 5 elements, expected 2 ranks x 3", dist.all_gather_into_tensor,
             torch.empty(5, device=device), torch.ones(3, device=device))
 
-    # gloo's list all_to_all of cpu tensors would wait forever on unequal sizes.
-    sizes = [1, 2] if rank == 0 else [2, 1]
-    _raises(ValueError, "needs tensors of one size", dist.all_to_all, [torch.empty(n) for n in sizes],
-            [torch.ones(n) for n in sizes])
+    # Cpu tensors whose sizes disagree: the same error everywhere (gloo would wait forever).
+    _raises(ValueError, "ranks disagree on sizes", dist.all_to_all, [torch.empty(2), torch.empty(2)],
+            [torch.ones(2), torch.ones(1 if rank == 0 else 2)])
+    _raises(ValueError, "cpu tensor 0 of the call is not contiguous", dist.all_to_all_single,
+            torch.empty(4, 2).t(), torch.ones(2, 4))
 
     # Tensors on the wrong device.
     other = torch.device("tpu", rank + world)

@@ -97,10 +97,3 @@ def test_shape_checks():
         checks.row_shapes("c", torch.empty(4, 3, device="meta"), torch.empty(4, 2, device="meta"))
 
 
-def test_gloo_runs_its_even_all_to_all_only_when_every_rank_sends_every_rank_the_same():
-    def sizes(sends):
-        return checks.check_exchange_table("x", _table(sends, np.array(sends).T.tolist()), "rows", "a", "b")
-
-    assert sizes([[2, 2], [2, 2]]).gloo_splits(1) == ([], [])
-    assert sizes([[2, 2], [2, 3]]).gloo_splits(1) == ([2, 3], [2, 3])
-    assert sizes([[0, 0], [0, 0]]).gloo_splits(0) == ([0, 0], [0, 0])

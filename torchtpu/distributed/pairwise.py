@@ -1,0 +1,94 @@
+"""All-to-all exchanges as point-to-point messages, on a gloo group of their own.
+
+An all-to-all here is two exchanges: every rank's sizes (`exchange.SizeExchange`), and the data,
+which moves on guessed sizes while the sizes travel. Run as two gloo collectives, each waits for
+one of gloo's worker threads, and the two compete for them and for the host's cores: on 2 cores
+at world size 2, a 1 MiB all-to-all took ~1.3 ms with the size gather running beside it against
+~0.6 ms alone. Point-to-point messages need no worker: the calling thread posts them and gloo's
+transport thread moves them, so the sizes and the data of one all-to-all travel side by side for
+about the cost of the data alone (the same gloo transport that gloo's own all-to-all uses).
+
+Messages are matched by tag. Every rank makes its exchanges in the same order (as it makes its
+collectives), so numbering them gives every exchange the same tag on every rank, and messages of
+two exchanges in flight never meet. The group is the exchanges' own, so no user point-to-point
+message (whose tag may be any number) meets them either.
+
+Gloo marks a point-to-point message complete only once it was waited on, so an exchange that is
+never waited on stays in flight; `HostTransport` keeps its buffers until it is.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_TAGS = 1 << 31  # gloo's tags are C ints
+
+
+class PairwiseWork(dist.Work):
+    """One exchange's messages in flight: waiting waits for every one of them."""
+
+    def __init__(self, messages: list[dist.Work]) -> None:
+        super().__init__()
+        self._messages = messages
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while self._messages:
+            if deadline is None:
+                self._messages[0].wait()
+            else:
+                self._messages[0].wait(timedelta(seconds=max(deadline - time.monotonic(), 0.0)))
+            self._messages.pop(0)
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._messages
+
+
+class Pairwise:
+    """Exchanges between the ranks of one process group, over a gloo group made for them."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pairwise/", store), rank, size, timeout)
+        self._rank = rank
+        self._size = size
+        self._next_tag = 0
+
+    def exchange(self, outputs: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]) -> PairwiseWork:
+        """Send `inputs[j]` to rank j and receive `outputs[i]` from rank i, for every other rank;
+        copy `inputs[rank]` into `outputs[rank]` (either may be None: nothing to copy).
+
+        Host tensors, contiguous. Every rank must call this in the same order as every other,
+        each receiving from each peer exactly as many bytes as that peer sends it (an empty
+        region sends or receives nothing) -- the callers make sure of it: gloo aborts or waits
+        forever otherwise. Empty regions send no message."""
+        tag = self._next_tag
+        self._next_tag = (tag + 1) % _TAGS
+        messages = []
+        # Every rank starts with a different peer (as gloo's own all-to-all does), so rank 0
+        # is not everyone's first; and posts its send before its receive: at world size 2, a
+        # 1 MiB exchange took ~1.3-2 ms with the receives posted first against ~0.6 ms.
+        for step in range(1, self._size):
+            source, destination = (self._rank - step) % self._size, (self._rank + step) % self._size
+            received, sent = outputs[source], inputs[destination]
+            if sent is not None and sent.numel():
+                messages.append(self._gloo.send([sent], destination, tag))
+            if received is not None and received.numel():
+                messages.append(self._gloo.recv([received], source, tag))
+        own_out, own_in = outputs[self._rank], inputs[self._rank]
+        if own_out is not None and own_in is not None and own_out.numel():
+            copy_bytes(own_out, own_in)
+        return PairwiseWork(messages)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy contiguous `src` into `dst` with one memcpy (NumPy's; PyTorch's parallel copy stalls
+    when the host's cores are busy, e.g. with the other ranks of a collective)."""
+    if dst.numel():
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())

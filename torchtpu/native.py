@@ -1,0 +1,70 @@
+"""Building and loading torchtpu's C++ sources (`torchtpu/csrc`), once per torch build.
+
+Each source compiles into a shared library in a cache directory (`$TORCHTPU_CACHE_DIR`, else
+`~/.cache/torchtpu`), named by a hash of the source, the torch version and the platform, under
+a file lock so that concurrent processes build it once. Callers decide what to do without a
+compiler: each C++ piece has a Python fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).parent / "csrc"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORCHTPU_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torchtpu"
+    )
+    return Path(root)
+
+
+def _build(source: Path, target: Path, python: bool) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler (c++ or g++ on PATH, or $CXX)")
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    includes = [f"-I{torch_dir / 'include'}"]
+    libraries = ["-lc10", "-ltorch_cpu"]
+    if python:  # Python's own symbols come from the interpreter that loads the library
+        includes += [f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+                     f"-I{sysconfig.get_paths()['include']}"]
+        libraries += ["-ltorch", "-ltorch_python"]
+    command = [
+        compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+        str(source), f"-L{torch_dir / 'lib'}", *libraries, f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(partial),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-2000:]}")
+    partial.replace(target)
+
+
+def load(name: str, python: bool = False) -> ctypes.CDLL:
+    """The library built from `csrc/<name>.cpp` (built first if needed). With `python`, it is
+    compiled against Python's and torch's Python headers and loaded as a `ctypes.PyDLL` (its
+    functions are called with the GIL held). Raises OSError or RuntimeError if it cannot be."""
+    source = _CSRC / f"{name}.cpp"
+    key = hashlib.sha256(
+        source.read_bytes() + torch.__version__.encode() + sysconfig.get_platform().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                _build(source, target, python)
+    return (ctypes.PyDLL if python else ctypes.CDLL)(str(target))

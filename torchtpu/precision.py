@@ -57,23 +57,29 @@ def _check(mode: str) -> str:
     return mode
 
 
+# Called with the new mode after every change (the C++ fast path keys calls by it).
+on_change: list[Callable[[str], None]] = []
+
+
 def get_mode() -> str:
     return _state.mode
 
 
 def set_mode(mode: str) -> None:
     _state.mode = _check(mode)
+    for listener in on_change:
+        listener(_state.mode)
 
 
 @contextlib.contextmanager
 def precision(mode: str) -> Iterator[None]:
     """Context manager: run matmuls in `mode` inside the block."""
     previous = _state.mode
-    _state.mode = _check(mode)
+    set_mode(mode)
     try:
         yield
     finally:
-        _state.mode = previous
+        set_mode(previous)
 
 
 def _split(x, parts: int):

@@ -209,6 +209,8 @@ class _AddressSpace:
 
 
 _addresses = _AddressSpace()
+reserve_addresses = _addresses.reserve  # for the C++ fast path's own tensors (exec/fast_dispatch)
+ADDRESS_CHUNK = _AddressSpace.CHUNK
 
 
 def new_storage(buffer: DeviceBuffer) -> torch.UntypedStorage:

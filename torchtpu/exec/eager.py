@@ -21,7 +21,7 @@ import numpy as np
 from torch._ops import OpOverload
 
 from torchtpu import counters, runtime
-from torchtpu.exec import checks, modes, opcall
+from torchtpu.exec import checks, fast_dispatch, modes, opcall
 from torchtpu.sharding import is_sharded, replicated
 from torchtpu.storage import DeviceBuffer, whole_tensor
 
@@ -42,6 +42,7 @@ _cache: dict[tuple, Executable] = {}
 def clear_cache() -> None:
     _cache.clear()
     opcall.clear_plans()
+    fast_dispatch.clear()
 
 
 def _compile(call: opcall.Call) -> Executable:

@@ -21,7 +21,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import counters
-from torchtpu.exec import eager, memory, modes, opcall
+from torchtpu.exec import eager, fast_dispatch, memory, modes, opcall
 from torchtpu.ops import decomps, registry
 from torchtpu.ops.schema import functional_variant, signature
 
@@ -71,7 +71,9 @@ def submit(call: opcall.Inputs) -> Any:
     return eager.run(call)
 
 
-def _lowered_kernel(op: OpOverload):
+def _lowered_kernel(op: OpOverload, noted: bool = False):
+    """The Python kernel of an op with a lowering; `noted`: it sits behind the C++ fast path,
+    which learns from the calls it runs (`fast_dispatch.note`)."""
     encoder: opcall.Encoder | None = None
 
     def kernel(*args, **kwargs):
@@ -80,8 +82,18 @@ def _lowered_kernel(op: OpOverload):
             encoder = encoder_for(op)
         return submit(encoder.encode(args, kwargs))
 
-    kernel.__name__ = f"tpu_{op.__name__}"
-    return kernel
+    def noting_kernel(*args, **kwargs):
+        nonlocal encoder
+        if encoder is None:
+            encoder = encoder_for(op)
+        call = encoder.encode(args, kwargs)
+        result = submit(call)
+        fast_dispatch.note(op, call)
+        return result
+
+    chosen = noting_kernel if noted else kernel
+    chosen.__name__ = f"tpu_{op.__name__}"
+    return chosen
 
 
 def _view_kernel(op: OpOverload):
@@ -91,14 +103,26 @@ def _view_kernel(op: OpOverload):
     return kernel
 
 
-def _register(op: OpOverload, kernel) -> None:
+def _register(op: OpOverload, kernel, key: str = "PrivateUse1") -> None:
     if op in _registered:
         return
     lib = _impl_libs.get(op.namespace)
     if lib is None:
         lib = _impl_libs[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-    lib.impl(op, kernel, "PrivateUse1")
+    lib.impl(op, kernel, key)
     _registered.add(op)
+
+
+def _register_lowered(op: OpOverload) -> None:
+    """The kernel of an op with a lowering: behind the C++ fast path where that reads the op's
+    calls (the Python kernel then serves PrivateUse2, which the fast path hands calls to)."""
+    if op in _registered:
+        return
+    if fast_dispatch.enabled() and fast_dispatch.readable(op):
+        _register(op, _lowered_kernel(op, noted=True), "PrivateUse2")
+        fast_dispatch.install(op)
+    else:
+        _register(op, _lowered_kernel(op))
 
 
 # --- the fallback -------------------------------------------------------------------------------
@@ -276,10 +300,10 @@ def register_all() -> None:
     for op in registry.lowered_ops():
         if op in _MEMORY_KERNELS or _is_composite_implicit(op) or _returns_alias(op):
             continue
-        _register(op, _lowered_kernel(op))
+        _register_lowered(op)
         for variant in _variants(op):
             if variant not in _MEMORY_KERNELS and not _is_composite_implicit(variant):
-                _register(variant, _lowered_kernel(variant))
+                _register_lowered(variant)
     if not getattr(register_all, "_fallback_done", False):
         _fallback_lib.fallback(fallback, "PrivateUse1")
         register_all._fallback_done = True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 MODES = ("strict", "debug", "defer")
 
@@ -25,6 +25,8 @@ def _check(mode: str) -> str:
 
 
 _mode = _check(os.environ.get("TORCHTPU_EAGER_MODE", "strict") or "strict")
+# Called with the new mode after every switch (the C++ fast path runs in strict mode only).
+on_change: list[Callable[[str], None]] = []
 
 
 def current() -> str:
@@ -40,6 +42,8 @@ def set_mode(mode: str) -> None:
 
         deferred.flush("mode change")
     _mode = mode
+    for listener in on_change:
+        listener(mode)
 
 
 @contextlib.contextmanager

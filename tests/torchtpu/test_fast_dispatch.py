@@ -1,0 +1,163 @@
+"""Strict eager's C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run from
+C++ and give what PyTorch on CPU gives; every call that is not plain -- other static values,
+views with offsets, another matmul precision, another eager mode -- still gets its own program."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torchtpu
+from torchtpu.exec import fast_dispatch
+
+pytestmark = pytest.mark.skipif(not fast_dispatch.enabled(), reason="the fast path needs a C++ compiler")
+
+
+def _fast_calls() -> int:
+    return torchtpu.metrics().get("eager_fast_calls", 0)
+
+
+def _check(fn, *cpu_args, repeats: int = 3, fast: bool = True, ops: int = 1, **tolerance) -> None:
+    """`fn` (`ops` op calls) on tpu copies of `cpu_args`, `repeats` times, equals `fn` on CPU
+    each time; with `fast`, every call after the first ran from C++, else none did."""
+    tpu_args = [a.to("tpu") for a in cpu_args]
+    want = fn(*cpu_args)
+    before = _fast_calls()
+    for _ in range(repeats):
+        got = fn(*tpu_args)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g.cpu(), w, **tolerance)
+    assert _fast_calls() - before == ((repeats - 1) * ops if fast else 0)
+
+
+@pytest.mark.parametrize("name, fn, ops", [
+    ("add", lambda a, b: a + b, 1),
+    ("mul", lambda a, b: a * b, 1),
+    ("sub with the default alpha", lambda a, b: torch.sub(a, b, alpha=1), 1),
+    ("relu", lambda a, b: a.relu(), 1),
+    ("exp", lambda a, b: a.exp(), 1),
+    ("sum over a dim", lambda a, b: a.sum(dim=1, keepdim=True), 1),
+    ("max over a dim: two outputs", lambda a, b: torch.max(a, dim=0), 1),
+    ("a storage used twice", lambda a, b: a * a, 1),
+    ("where of three tensors", lambda a, b: torch.where(a > b, a, b), 2),
+])
+def test_repeated_plain_calls_run_from_cpp_and_match_cpu(name, fn, ops):
+    _check(fn, torch.randn(5, 3), torch.randn(5, 3), ops=ops)
+
+
+def test_outputs_are_ordinary_tpu_tensors():
+    a = torch.randn(4, 6).to("tpu")
+    outs = [a + a for _ in range(3)]
+    assert _fast_calls() > 0
+    assert len({o.data_ptr() for o in outs}) == 3  # each its own storage
+    for o in outs:
+        assert o.device == a.device and o.shape == a.shape and o.stride() == a.stride()
+        assert o.untyped_storage()._tpu_buffer.value is not None
+        torch.testing.assert_close(o.cpu(), a.cpu() * 2)
+    before = torch.tpu.memory_allocated()
+    del outs, o
+    assert torch.tpu.memory_allocated() == before - 3 * 4 * 6 * 4
+
+
+def test_scalar_values_passed_at_run_time_take_the_python_path():
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    for alpha in (2, 3, 2.5, 2):
+        _check(lambda x, y: torch.add(x, y, alpha=alpha), a, b, fast=False)
+        _check(lambda x, y: x * alpha, a, b, fast=False)
+
+
+def test_static_values_are_part_of_the_key():
+    a = torch.randn(4, 5)
+    for dim in (0, 1, -1):
+        _check(lambda x, y: x.sum(dim=dim), a, a, rtol=1e-6, atol=1e-6)
+
+
+def test_views_with_offsets_take_the_python_path():
+    a = torch.randn(6, 4)
+    _check(lambda x, y: x[:4] + x[:4], a, a)  # the same key but for the offset, plain
+    _check(lambda x, y: x[2:] + x[:4], a, a, fast=False)
+
+
+def test_matmul_precision_is_part_of_the_key():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    exact = (a.double() @ b.double()).float()
+    for _ in range(3):
+        fast = ta @ tb
+    with torch.tpu.precision("highest"):
+        highest = [ta @ tb for _ in range(3)]
+    for h in highest:  # not the default program, which rounds the operands to bf16
+        torch.testing.assert_close(h.cpu(), exact, rtol=1e-6, atol=1e-5)
+    assert (fast.cpu() - exact).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("mode, width", [("defer", 7), ("debug", 8)])
+def test_other_eager_modes_take_the_python_path(mode, width):
+    a, b = torch.randn(3, width), torch.randn(3, width)  # a key of its own
+    _check(lambda x, y: x + y, a, b)  # known to the fast path now
+    with torchtpu.eager_mode(mode):
+        _check(lambda x, y: x + y, a, b, fast=False)
+
+
+def test_backward_through_fast_ops_matches_cpu():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(8, 4)
+    tw = w.detach().to("tpu").requires_grad_()
+    tx = x.to("tpu")
+    (x @ w).relu().exp().sum().backward()
+    before = _fast_calls()
+    with torch.tpu.precision("highest"):  # float32 products, as on the CPU
+        for _ in range(3):
+            tw.grad = None
+            (tx @ tw).relu().exp().sum().backward()
+            torch.testing.assert_close(tw.grad.cpu(), w.grad, rtol=1e-5, atol=1e-5)
+    assert _fast_calls() > before
+
+
+def test_clearing_the_caches_forgets_the_fast_keys():
+    a = torch.randn(7, 2).to("tpu")
+    for _ in range(2):
+        a.exp()
+    torchtpu.clear_caches()
+    before = torchtpu.metrics().get("eager_programs", 0)
+    a.exp()
+    assert torchtpu.metrics().get("eager_programs", 0) == before + 1  # compiled again
+
+
+def test_threads_share_the_fast_path():
+    a = torch.randn(16, 16)
+    ta = a.to("tpu")
+    errors = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                torch.testing.assert_close((ta * ta).cpu(), a * a)
+        except Exception as error:  # noqa: BLE001 -- reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_switched_off_the_python_kernels_serve_every_call():
+    code = (
+        "import torch, torchtpu\n"
+        "a = torch.randn(3, 3)\n"
+        "t = a.to('tpu')\n"
+        "for _ in range(3):\n"
+        "    torch.testing.assert_close((t + t).cpu(), a + a)\n"
+        "assert 'eager_fast_calls' not in torchtpu.metrics(), torchtpu.metrics()\n"
+        "assert torchtpu.metrics()['eager_cache_hits'] >= 2\n"
+    )
+    env = dict(os.environ, TORCHTPU_FAST_DISPATCH="0", TORCHTPU_DEVICE_LOCK="0")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)

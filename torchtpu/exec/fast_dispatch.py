@@ -1,0 +1,141 @@
+"""Strict eager's fast path: repeated op calls run from a C++ kernel (`csrc/fast_dispatch.cpp`).
+
+A strict eager call whose layout an earlier call already compiled spends most of its ~16 us in
+Python -- PyTorch's dispatch into the Python kernel, reading the arguments, making the output
+tensor -- around a ~4 us call of the jitted executable. For every op with a lowering whose
+arguments the C++ kernel can read (tensors, numbers, int lists, None; no tensor lists, nothing
+written in place), that kernel is registered for PrivateUse1 and the Python kernel moves to
+PrivateUse2. The C++ kernel keys each call by its layout; the first call of a key goes to the
+Python kernel, which encodes, compiles and runs it as always and notes what it ran
+(`note`); `learn` then tells the C++ kernel whether the call was *plain* -- one cached
+executable of exactly the call's storages, nothing written, no dynamic values, no device-side
+checks, only new tensors out -- and if so, later calls with that key run the executable from C++.
+Everything else (other eager modes, views with offsets, unwritten storages, sharded buffers,
+errors) takes the Python kernel, which stays the one definition of what an op does.
+
+Without a C++ compiler, or with `TORCHTPU_FAST_DISPATCH=0`, the Python kernels stay on
+PrivateUse1: the same results, slower. `torchtpu.metrics()["eager_fast_calls"]` counts the
+calls the C++ kernel ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from torchtpu import counters, precision, storage
+from torchtpu.exec import modes
+
+_library: ctypes.PyDLL | None = None
+_tried = False
+
+
+class _Noted(threading.local):
+    """The last call each thread's Python kernels ran: (op, plan, had dynamic values)."""
+
+    call: tuple | None = None
+
+
+_noted = _Noted()
+
+
+def enabled() -> bool:
+    """Whether the fast path is installed (built and loaded, and not switched off)."""
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("TORCHTPU_FAST_DISPATCH", "1") not in ("", "0"):
+            _library = _load()
+    return _library is not None
+
+
+def _load() -> ctypes.PyDLL | None:
+    from torchtpu import native
+
+    try:
+        library = native.load("fast_dispatch", python=True)
+    except (OSError, RuntimeError) as error:
+        warnings.warn(
+            f"torchtpu could not build its fast dispatch path ({error}); strict eager ops take the "
+            "Python path (the same results, ~3x the dispatch cost). Install a C++ compiler (g++) to "
+            "lift this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    library.torchtpu_fast_init.argtypes = [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_longlong]
+    library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
+    library.torchtpu_fast_calls.restype = ctypes.c_longlong
+    library.torchtpu_fast_set_precision.argtypes = [ctypes.c_longlong]
+    library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn,
+                               storage.ADDRESS_CHUNK)
+    modes.on_change.append(lambda mode: library.torchtpu_fast_set_strict(int(mode == "strict")))
+    library.torchtpu_fast_set_strict(int(modes.current() == "strict"))
+    precision.on_change.append(lambda mode: library.torchtpu_fast_set_precision(precision.MODES.index(mode)))
+    library.torchtpu_fast_set_precision(precision.MODES.index(precision.get_mode()))
+    counters.add_source(lambda: {"eager_fast_calls": library.torchtpu_fast_calls()},
+                        library.torchtpu_fast_reset_calls)
+    return library
+
+
+def readable(op: OpOverload) -> bool:
+    """Whether the C++ kernel can key `op`'s calls: arguments it reads, only new tensors out."""
+    schema = op._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    if any(not isinstance(r.type, torch.TensorType) or r.alias_info is not None for r in schema.returns):
+        return False
+    return all(_readable_type(a.type) for a in schema.arguments)
+
+
+def _readable_type(t: Any) -> bool:
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.ListType):
+        return isinstance(t.getElementType(), torch.IntType)
+    return isinstance(t, (torch.TensorType, torch.IntType, torch.FloatType, torch.BoolType, torch.NumberType))
+
+
+def install(op: OpOverload) -> None:
+    """Put the C++ kernel on PrivateUse1 for `op` (its Python kernel goes to PrivateUse2)."""
+    namespace, name = op.name().split("::")
+    if _library.torchtpu_fast_install(namespace.encode(), name.encode(), op) != 0:
+        raise RuntimeError(f"installing the fast dispatch kernel of {op} failed")
+
+
+def note(op: OpOverload, call) -> None:
+    """Called by a Python kernel of an installed op after it ran `call`, for `_learn`."""
+    _noted.call = (op, call.plan, not call.dynamic)
+
+
+def _learn(op: OpOverload) -> tuple | None:
+    """What the C++ kernel may run for the key of `op`'s call that the Python kernel just ran:
+    (jitted, device, outputs), or None when that call was not plain."""
+    noted, _noted.call = _noted.call, None
+    if noted is None or noted[0] is not op or not noted[2] or modes.current() != "strict":
+        return None
+    plan = noted[1]
+    exe = plan.executable if plan is not None else None
+    if exe is None or exe.sharded or not exe.all_inputs:
+        return None
+    program = exe.program
+    n = len(program.new)
+    if program.written or program.checks or n != len(op._schema.returns):
+        return None
+    if program.result != (("new", 0) if n == 1 else ("tuple", tuple(("new", i) for i in range(n)))):
+        return None
+    outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
+               for spec in program.new]
+    return exe.jitted, plan.device, outputs
+
+
+def clear() -> None:
+    """Forget every remembered key (with `eager.clear_cache`)."""
+    if _library is not None:
+        _library.torchtpu_fast_clear()

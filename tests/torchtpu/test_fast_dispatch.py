@@ -155,9 +155,26 @@ def test_switched_off_the_python_kernels_serve_every_call():
         "a = torch.randn(3, 3)\n"
         "t = a.to('tpu')\n"
         "for _ in range(3):\n"
-        "    torch.testing.assert_close((t + t).cpu(), a + a)\n"
+        "    torch.testing.assert_close((t.t() + t).cpu(), a.t() + a)\n"
         "assert 'eager_fast_calls' not in torchtpu.metrics(), torchtpu.metrics()\n"
         "assert torchtpu.metrics()['eager_cache_hits'] >= 2\n"
+        "assert 'kernels.py' in torch._C._dispatch_dump('aten::as_strided')\n"
     )
     env = dict(os.environ, TORCHTPU_FAST_DISPATCH="0", TORCHTPU_DEVICE_LOCK="0")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
+def test_views_are_made_in_cpp_and_share_their_storage():
+    def kernel_file(op: str) -> str:
+        lines = [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("PrivateUse1:")]
+        return lines[0]
+
+    assert "fast_dispatch.cpp" in kernel_file("aten::as_strided")
+    assert "fast_dispatch.cpp" in kernel_file("aten::view")
+    a = torch.randn(4, 6)
+    t = a.to("tpu")
+    for view in (lambda x: x.t(), lambda x: x.view(3, 8), lambda x: x[1:, ::2], lambda x: x.unfold(1, 2, 2)):
+        v = view(t)
+        assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert v.stride() == view(a).stride() and v.storage_offset() == view(a).storage_offset()
+        torch.testing.assert_close(v.cpu(), view(a))

@@ -1,4 +1,5 @@
-// Strict eager's fast path: a C++ kernel in front of an op's Python kernel.
+// Strict eager's fast path: a C++ kernel in front of an op's Python kernel; and the view
+// kernels, which need no Python at all.
 //
 // A strict eager op call that repeats an earlier call's layout (same dtypes, shapes, strides,
 // storage sharing and static values) runs the executable that call compiled. The Python kernel
@@ -48,7 +49,8 @@ struct Gil {
   ~Gil() { PyGILState_Release(state); }
 };
 
-// Device addresses for new storages, reserved per thread a chunk at a time (see storage.py).
+// Device addresses for new storages, 64-byte aligned and reserved per thread a chunk at a time,
+// as storage.py's `_Maker` hands them out.
 struct Addresses {
   uint64_t next = 0, end = 0;
   // Needs the GIL when it reserves; 0 if reserving failed (a Python error is set).
@@ -125,7 +127,10 @@ bool layout_of(const torch::jit::Stack& stack, size_t n, Key& key, std::vector<c
         key.push_back(-1);
         continue;
       }
-      if (!t.is_privateuseone() || t.is_conj() || t.is_neg() || t.storage_offset() != 0) return false;
+      if (!t.is_privateuseone() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_conj() ||
+          t.is_neg() || t.storage_offset() != 0) {
+        return false;
+      }
       c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
       size_t index = 0;
       while (index < storages.size() && storages[index] != s) ++index;
@@ -318,9 +323,25 @@ struct FastKernel final : public c10::OperatorKernel {
   std::unordered_map<Key, std::shared_ptr<const Executable>, KeyHash> cache;  // guarded by the GIL
 };
 
+// A view only changes metadata: PyTorch's CPU kernel makes it for a tpu tensor as well (the
+// Python view kernels in torchtpu/exec/kernels.py do the same, through Python).
+void cpu_view(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
 std::mutex libraries_lock;
 std::vector<std::unique_ptr<torch::Library>> libraries;
 std::vector<FastKernel*> kernels;  // guarded by the GIL
+
+void keep(std::unique_ptr<torch::Library> library) {
+  std::lock_guard<std::mutex> guard(libraries_lock);
+  libraries.push_back(std::move(library));
+}
+
+std::unique_ptr<torch::Library> impl_library(const char* ns) {
+  return std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1, __FILE__,
+                                          __LINE__);
+}
 
 }  // namespace
 
@@ -350,11 +371,22 @@ int torchtpu_fast_install(const char* ns, const char* name, PyObject* op) {
     Py_INCREF(op);
     auto kernel = std::make_unique<FastKernel>(op);
     kernels.push_back(kernel.get());
-    auto library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1,
-                                                    __FILE__, __LINE__);
+    auto library = impl_library(ns);
     library->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
-    std::lock_guard<std::mutex> guard(libraries_lock);
-    libraries.push_back(std::move(library));
+    keep(std::move(library));
+    return 0;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return 1;
+  }
+}
+
+// Registers the CPU-redispatching view kernel for PrivateUse1 on `name.overload`; 0 on success.
+int torchtpu_view_install(const char* ns, const char* name) {
+  try {
+    auto library = impl_library(ns);
+    library->impl(name, torch::CppFunction::makeFromBoxedFunction<&cpu_view>());
+    keep(std::move(library));
     return 0;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());

@@ -13,6 +13,9 @@ checks, only new tensors out -- and if so, later calls with that key run the exe
 Everything else (other eager modes, views with offsets, unwritten storages, sharded buffers,
 errors) takes the Python kernel, which stays the one definition of what an op does.
 
+The view kernels are C++ too where this is installed: a view only changes metadata, which
+PyTorch's CPU kernel does for a tpu tensor as well (`install_view`).
+
 Without a C++ compiler, or with `TORCHTPU_FAST_DISPATCH=0`, the Python kernels stay on
 PrivateUse1: the same results, slower. `torchtpu.metrics()["eager_fast_calls"]` counts the
 calls the C++ kernel ran.
@@ -71,6 +74,7 @@ def _load() -> ctypes.PyDLL | None:
         return None
     library.torchtpu_fast_init.argtypes = [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_longlong]
     library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
+    library.torchtpu_view_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     library.torchtpu_fast_calls.restype = ctypes.c_longlong
     library.torchtpu_fast_set_precision.argtypes = [ctypes.c_longlong]
     library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn,
@@ -107,6 +111,13 @@ def install(op: OpOverload) -> None:
     namespace, name = op.name().split("::")
     if _library.torchtpu_fast_install(namespace.encode(), name.encode(), op) != 0:
         raise RuntimeError(f"installing the fast dispatch kernel of {op} failed")
+
+
+def install_view(op: OpOverload) -> None:
+    """Put the C++ view kernel (PyTorch's CPU kernel makes the view) on PrivateUse1 for `op`."""
+    namespace, name = op.name().split("::")
+    if _library.torchtpu_view_install(namespace.encode(), name.encode()) != 0:
+        raise RuntimeError(f"installing the C++ view kernel of {op} failed")
 
 
 def note(op: OpOverload, call) -> None:

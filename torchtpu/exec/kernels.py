@@ -80,20 +80,14 @@ def _lowered_kernel(op: OpOverload, noted: bool = False):
         nonlocal encoder
         if encoder is None:
             encoder = encoder_for(op)
-        return submit(encoder.encode(args, kwargs))
-
-    def noting_kernel(*args, **kwargs):
-        nonlocal encoder
-        if encoder is None:
-            encoder = encoder_for(op)
         call = encoder.encode(args, kwargs)
         result = submit(call)
-        fast_dispatch.note(op, call)
+        if noted:
+            fast_dispatch.note(op, call)
         return result
 
-    chosen = noting_kernel if noted else kernel
-    chosen.__name__ = f"tpu_{op.__name__}"
-    return chosen
+    kernel.__name__ = f"tpu_{op.__name__}"
+    return kernel
 
 
 def _view_kernel(op: OpOverload):
@@ -111,6 +105,18 @@ def _register(op: OpOverload, kernel, key: str = "PrivateUse1") -> None:
         lib = _impl_libs[op.namespace] = torch.library.Library(op.namespace, "IMPL")
     lib.impl(op, kernel, key)
     _registered.add(op)
+
+
+def _register_view(op: OpOverload) -> None:
+    """A view op's kernel: PyTorch's CPU kernel, reached from C++ where the fast path is
+    installed, else through the Python `_view_kernel`."""
+    if op in _registered:
+        return
+    if fast_dispatch.enabled():
+        fast_dispatch.install_view(op)
+        _registered.add(op)
+    else:
+        _register(op, _view_kernel(op))
 
 
 def _register_lowered(op: OpOverload) -> None:
@@ -292,7 +298,7 @@ def register_all() -> None:
     """Install the PrivateUse1 kernels for every lowered op, the view and memory ops, and the
     fallback. Called once when torchtpu is imported (and again after new lowerings register)."""
     for op in _VIEW_OPS:
-        _register(op, _view_kernel(op))
+        _register_view(op)
     for op, kernel in _MEMORY_KERNELS.items():
         _register(op, kernel)
     for op, kernel in registry.data_dependent_ops().items():

@@ -21,7 +21,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import counters
-from torchtpu.exec import eager, fast_dispatch, memory, modes, opcall
+from torchtpu.exec import deferred, eager, fast_dispatch, memory, modes, opcall
 from torchtpu.ops import decomps, registry
 from torchtpu.ops.schema import functional_variant, signature
 
@@ -65,8 +65,6 @@ def execute(op: OpOverload, args: tuple, kwargs: dict) -> Any:
 def submit(call: opcall.Inputs) -> Any:
     """Hand an encoded call (an op, or a compiled graph) to the current eager executor."""
     if modes.current() == "defer":
-        from torchtpu.exec import deferred
-
         return deferred.record(call)
     return eager.run(call)
 

@@ -1,8 +1,9 @@
 """Building and loading torchtpu's C++ sources (`torchtpu/csrc`), once per torch build.
 
 Each source compiles into a shared library in a cache directory (`$TORCHTPU_CACHE_DIR`, else
-`~/.cache/torchtpu`), named by a hash of the source, the torch version and the platform, under
-a file lock so that concurrent processes build it once. Callers decide what to do without a
+`~/.cache/torchtpu`), named by a hash of the source, the torch version and the platform (and
+Python's ABI, for a library built against Python's headers), under a file lock so that
+concurrent processes build it once. Callers decide what to do without a
 compiler: each C++ piece has a Python fallback.
 """
 
@@ -57,9 +58,8 @@ def load(name: str, python: bool = False) -> ctypes.CDLL:
     compiled against Python's and torch's Python headers and loaded as a `ctypes.PyDLL` (its
     functions are called with the GIL held). Raises OSError or RuntimeError if it cannot be."""
     source = _CSRC / f"{name}.cpp"
-    key = hashlib.sha256(
-        source.read_bytes() + torch.__version__.encode() + sysconfig.get_platform().encode()
-    ).hexdigest()[:16]
+    abi = f"{sysconfig.get_platform()} {sysconfig.get_config_var('SOABI') if python else ''}"
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + abi.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

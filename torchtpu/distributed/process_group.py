@@ -17,8 +17,8 @@ The sizes, and the bytes of all-to-alls that go through gloo (of cpu tensors too
 point-to-point messages on a gloo group of their own (`pairwise`).
 
 Both paths share one gloo backend for everything else, built on the group's own store, so the
-bytes travel through PyTorch's transport, not a home-made one. One process drives one tpu device: the group binds to
-the device of its first tpu collective and rejects tensors on any other.
+bytes travel through PyTorch's transport, not a home-made one. One process drives one tpu device:
+the group binds to the device of its first tpu collective and rejects tensors on any other.
 """
 
 from __future__ import annotations

@@ -219,9 +219,12 @@ bool read_executable(PyObject* info, Executable& exe) {
     out.dtype = dtype;
     out.numel = PyLong_FromLongLong(numel);
     out.scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
-    for (Py_ssize_t d = 0; d < PyTuple_Size(sizes); ++d) out.sizes.push_back(PyLong_AsLongLong(PyTuple_GetItem(sizes, d)));
-    for (Py_ssize_t d = 0; d < PyTuple_Size(strides); ++d)
+    for (Py_ssize_t d = 0; d < PyTuple_Size(sizes); ++d) {
+      out.sizes.push_back(PyLong_AsLongLong(PyTuple_GetItem(sizes, d)));
+    }
+    for (Py_ssize_t d = 0; d < PyTuple_Size(strides); ++d) {
       out.strides.push_back(PyLong_AsLongLong(PyTuple_GetItem(strides, d)));
+    }
     out.nbytes = nbytes;
     exe.outputs.push_back(std::move(out));
   }

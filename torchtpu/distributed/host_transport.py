@@ -342,7 +342,8 @@ class HostTransport:
         work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
-    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes) -> Callable[[], TpuWork]:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                                sizes: ExchangeSizes) -> Callable[[], TpuWork]:
         """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
         s = _Staging(self._buffers)
         send, recv = sizes.splits(self._rank)

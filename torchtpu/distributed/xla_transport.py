@@ -67,7 +67,8 @@ def _op_name(op: dist.ReduceOp) -> str:
 class XlaTransport:
     """c10d collectives on tpu tensors as XLA collectives across the ranks' devices."""
 
-    def __init__(self, gloo: dist.ProcessGroupGloo, pairwise: Pairwise, store: dist.Store, rank: int, size: int) -> None:
+    def __init__(self, gloo: dist.ProcessGroupGloo, pairwise: Pairwise, store: dist.Store, rank: int,
+                 size: int) -> None:
         if not dist.is_initialized():  # the default group, being created by init_process_group
             runtime.configure_distributed_from_store(store, rank, size, key="xla/coordinator")
         self._gloo = gloo
@@ -203,7 +204,8 @@ class XlaTransport:
         received = self._mine(programs.ragged_all_to_all(mesh)(*args))
         return received[: int(sends[:, self._rank].sum())].reshape(-1)
 
-    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, sizes: ExchangeSizes) -> Callable[[], TpuWork]:
+    def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                                sizes: ExchangeSizes) -> Callable[[], TpuWork]:
         """What runs the all-to-all (XLA stages nothing ahead: the program runs when started)."""
         return functools.partial(self._all_to_all_single, output, input, sizes)
 

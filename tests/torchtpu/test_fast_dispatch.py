@@ -4,10 +4,12 @@ views with offsets, another matmul precision, another eager mode -- still gets i
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -178,3 +180,16 @@ def test_views_are_made_in_cpp_and_share_their_storage():
         assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
         assert v.stride() == view(a).stride() and v.storage_offset() == view(a).storage_offset()
         torch.testing.assert_close(v.cpu(), view(a))
+
+
+def test_a_call_the_fast_path_declines_holds_no_reference_to_its_arrays():
+    from torchtpu import storage
+
+    a = torch.randn(4, 4).to("tpu")
+    unwritten = torch.empty(4, 4, device="tpu")  # no device array yet: the Python path reads it as zeros
+    array = weakref.ref(storage.buffer_of(a).value)
+    for _ in range(3):
+        torch.testing.assert_close((a + unwritten).cpu(), a.cpu())
+    a.add_(1)  # `a` gets a new array; the old one must now be free
+    gc.collect()
+    assert array() is None

@@ -246,6 +246,7 @@ struct FastKernel final : public c10::OperatorKernel {
     if (strict_mode.load(std::memory_order_relaxed) && layout_of(*stack, n, key, storages)) {
       Gil gil;
       std::vector<PyObject*> arrays;
+      bool done = false;
       if (arrays_of(storages, key, arrays)) {
         std::shared_ptr<const Executable> exe;
         auto found = cache.find(key);
@@ -254,10 +255,10 @@ struct FastKernel final : public c10::OperatorKernel {
         } else {
           unknown = true;
         }
-        bool done = exe && exe->jitted != nullptr && run(*exe, arrays, n, stack);
-        for (PyObject* a : arrays) Py_DECREF(a);
-        if (done) return;
+        done = exe && exe->jitted != nullptr && run(*exe, arrays, n, stack);
       }
+      for (PyObject* a : arrays) Py_DECREF(a);  // arrays_of may have taken some before it failed
+      if (done) return;
     }
     handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
     if (unknown) remember(std::move(key));

@@ -283,13 +283,17 @@ struct FastKernel final : public c10::OperatorKernel {
       uint64_t address = buffer ? addresses.take(out.nbytes) : 0;
       ok = address != 0;
       if (ok) {
-        c10::Device device(c10::DeviceType::PrivateUse1, exe.index);
-        at::Tensor t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
-                                     at::TensorOptions().dtype(out.scalar_type).device(device), device);
-        PyObject* storage = THPStorage_Wrap(t.storage());
-        ok = storage != nullptr && PyObject_SetAttr(storage, buffer_attr, buffer) == 0;
-        Py_XDECREF(storage);
-        results.push_back(std::move(t));
+        try {
+          c10::Device device(c10::DeviceType::PrivateUse1, exe.index);
+          at::Tensor t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
+                                       at::TensorOptions().dtype(out.scalar_type).device(device), device);
+          PyObject* storage = THPStorage_Wrap(t.storage());
+          ok = storage != nullptr && PyObject_SetAttr(storage, buffer_attr, buffer) == 0;
+          Py_XDECREF(storage);
+          results.push_back(std::move(t));
+        } catch (const std::exception&) {
+          ok = false;  // the Python kernel makes the call's tensors (and reports what fails)
+        }
       }
       Py_XDECREF(buffer);
     }

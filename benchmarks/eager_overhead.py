@@ -7,9 +7,9 @@ once at the end, so the time per op is the dispatch cost an eager program pays; 
 fastest of `--repeats` interleaved runs, since a shared machine only ever adds time. Rows: PyTorch
 CPU eager, raw `jax.numpy` (JAX's own eager dispatch of a cached primitive), torchtpu strict
 (one cached XLA program per op, run from the C++ fast path once its layout is known; set
-TORCHTPU_FAST_DISPATCH=0 to time the Python path) and torchtpu defer (recording the op; the fused
-program runs at the final sync). Goal: strict within 2x of raw JAX dispatch (torchax pays 160-380 us per op).
-PyTorch runs with one thread (see benchmarks/execution_modes.py for why).
+TORCHTPU_FAST_DISPATCH=0 to time the Python path) and torchtpu defer (recording the op; the
+fused program runs at the final sync). Goal: strict within 2x of raw JAX dispatch (torchax pays
+160-380 us per op). PyTorch runs with one thread (see benchmarks/execution_modes.py for why).
 """
 
 from __future__ import annotations

@@ -95,5 +95,3 @@ def test_shape_checks():
         checks.same_dtype("c", [a, torch.empty(3, dtype=torch.int64, device="meta")])
     with pytest.raises(ValueError, match=r"input rows have shape \(2,\) but output rows have shape \(3,\)"):
         checks.row_shapes("c", torch.empty(4, 3, device="meta"), torch.empty(4, 2, device="meta"))
-
-

@@ -54,8 +54,9 @@ def test_repeated_plain_calls_run_from_cpp_and_match_cpu(name, fn, ops):
 
 def test_outputs_are_ordinary_tpu_tensors():
     a = torch.randn(4, 6).to("tpu")
+    before = _fast_calls()
     outs = [a + a for _ in range(3)]
-    assert _fast_calls() > 0
+    assert _fast_calls() - before >= 2  # the first call may teach the key
     assert len({o.data_ptr() for o in outs}) == 3  # each its own storage
     for o in outs:
         assert o.device == a.device and o.shape == a.shape and o.stride() == a.stride()

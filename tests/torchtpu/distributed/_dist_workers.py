@@ -372,6 +372,12 @@ def _tagged_rows(src: int, rows: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros((0, width), np.int64)
 
 
+def _received_rows(rank: int, rows: np.ndarray, width: int) -> np.ndarray:
+    """What the NumPy model says rank `rank` receives: each source's block for it, in rank order."""
+    return np.concatenate([_tagged_rows(src, rows, width)[rows[src, :rank].sum():][: rows[src, rank]]
+                           for src in range(rows.shape[0])])
+
+
 def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
     """Random uneven split patterns (zeros included): every received element is the one the
     NumPy model says, in every dtype, shape and sync/async mode, on tpu tensors and (every
@@ -384,8 +390,7 @@ def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
         width = (1, 3)[p % 2]
         dtype = (torch.int64, torch.float32)[(p // 2) % 2]
         mine = _tagged_rows(rank, rows, width)
-        expected = np.concatenate([_tagged_rows(src, rows, width)[rows[src, :rank].sum():][: rows[src, rank]]
-                                   for src in range(world)])
+        expected = _received_rows(rank, rows, width)
         host_in = torch.from_numpy(mine).to(dtype)
         if width == 1:
             host_in, expected = host_in.reshape(-1), expected.reshape(-1)
@@ -414,9 +419,7 @@ def all_to_all_fuzz(rank: int, world: int, patterns: int) -> None:
 def _exchange_and_check(rank: int, rows: np.ndarray, dtype: torch.dtype, device: torch.device, async_op: bool,
                         what: str) -> None:
     """One uneven all_to_all_single of tagged rows (width 2) on `device`, checked element by element."""
-    world = rows.shape[0]
-    expected = np.concatenate([_tagged_rows(src, rows, 2)[rows[src, :rank].sum():][: rows[src, rank]]
-                               for src in range(world)])
+    expected = _received_rows(rank, rows, 2)
     inp = torch.from_numpy(_tagged_rows(rank, rows, 2)).to(dtype).to(device)
     out = torch.full((int(rows[:, rank].sum()), 2), -7, dtype=dtype).to(device)
     work = dist.all_to_all_single(out, inp, rows[:, rank].tolist(), rows[rank].tolist(), async_op=async_op)
@@ -472,8 +475,7 @@ def _exchanges_in_flight_together(rank: int, world: int) -> None:
         work.wait()
         note.wait()
         hearing.wait()
-        expected = np.concatenate([_tagged_rows(src, rows, 2)[rows[src, :rank].sum():][: rows[src, rank]]
-                                   for src in range(world)]) + k * 100_000_000
+        expected = _received_rows(rank, rows, 2) + k * 100_000_000
         assert np.array_equal(out.cpu().numpy(), expected), f"rank {rank}: exchange {k} delivered other bytes"
         assert heard.cpu().tolist() == [(rank - 1) % world + 10 * k] * 3, f"rank {rank}: message {k}"
 

@@ -76,8 +76,13 @@ def test_scalar_values_passed_at_run_time_take_the_python_path():
 
 def test_static_values_are_part_of_the_key():
     a = torch.randn(4, 5)
-    for dim in (0, 1, -1):
+    for dim in (0, 1, -1):  # an int list, then an int, then a bool
         _check(lambda x, y: x.sum(dim=dim), a, a, rtol=1e-6, atol=1e-6)
+        _check(lambda x, y: torch.softmax(x, dim), a, a, rtol=1e-6, atol=1e-6)
+    for keepdim in (False, True):
+        _check(lambda x, y: torch.max(x, dim=1, keepdim=keepdim), a, a)
+    for eps in (1e-5, 0.5):  # a float
+        _check(lambda x, y: torch.nn.functional.layer_norm(x, (5,), eps=eps), a, a, rtol=1e-5, atol=1e-5)
 
 
 def test_views_with_offsets_take_the_python_path():

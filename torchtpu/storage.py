@@ -135,7 +135,9 @@ _DL_CODES = {
     torch.int64: (0, 64), torch.uint8: (1, 8), torch.bool: (6, 8),
     torch.complex64: (5, 64), torch.complex128: (5, 128),
 }
-_capsule_new = ctypes.pythonapi.PyCapsule_New
+# A function object of our own: `ctypes.pythonapi.PyCapsule_New` is one object shared by every
+# library in the process, and others set its argument types too (`jax.ffi.pycapsule` does).
+_capsule_new = ctypes.PyDLL(None).PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 

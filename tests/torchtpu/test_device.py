@@ -274,3 +274,16 @@ def test_device_count_set_too_late_is_an_error():
     """, env={"XLA_FLAGS": "", "TORCHTPU_NUM_DEVICES": ""})
     assert result.returncode == 0, result.stderr
     assert "ERROR: TORCHTPU_NUM_DEVICES=3" in result.stdout and "already started" in result.stdout
+
+
+def test_tensors_are_made_after_another_library_retypes_pycapsule_new():
+    """`ctypes.pythonapi.PyCapsule_New` is shared by the process; `jax.ffi.pycapsule` (which
+    registering any FFI kernel calls) sets its argument types to its own. Making tpu tensors,
+    which builds DLPack capsules, must not depend on them."""
+    import ctypes
+
+    import jax
+
+    jax.ffi.pycapsule(ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p).value)
+    x = torch.arange(4.0, device="tpu") * 2
+    assert x.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]

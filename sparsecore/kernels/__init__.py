@@ -3,13 +3,16 @@
 Both run inside `shard_map` over a 1-D device mesh. `local_kernels(platform)` picks their
 implementation: on "tpu" the libtpu custom calls (`sparsecore.kernels.tpu`, written to the
 custom-call contract but untested: no TPU here), on every other platform the XLA stand-in
-(`lookup`, `grad_update`) that computes the same thing with ordinary ops and real collectives.
-`lookup_impl="pallas"` swaps the lookup for the Pallas embedding bag (`pallas_lookup`): Mosaic on
-"tpu", Pallas's interpreter elsewhere.
+(`lookup`, `grad_update`) that computes the same thing with ordinary ops and real collectives --
+except that on "cpu" the owner's arithmetic of the lookup is a C++ custom call (`cpu`). The
+`lookup_impl` argument overrides the lookup: "xla" (the XLA stand-in, on any platform) or
+"pallas" (the Pallas embedding bag, `pallas_lookup`: Mosaic on "tpu", Pallas's interpreter
+elsewhere).
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, Literal, NamedTuple
 
 from sparsecore.kernels.geometry import KernelGeometry
@@ -29,12 +32,15 @@ class LocalKernels(NamedTuple):
     per-device scalars with grid indices without the casts that check requires."""
 
 
-LOOKUP_IMPLS = ("xla", "pallas")
+LOOKUP_IMPLS = ("platform", "xla", "pallas")
 
 
-def local_kernels(platform: str, lookup_impl: Literal["xla", "pallas"] = "xla") -> LocalKernels:
+def local_kernels(platform: str, lookup_impl: Literal["platform", "xla", "pallas"] = "platform") -> LocalKernels:
     """The kernels for devices of `platform` ("tpu" selects the custom calls). `lookup_impl`
-    picks the lookup: "xla" (the platform's XLA lowering) or "pallas" (the Pallas embedding bag)."""
+    picks the lookup: "platform" (the platform's own: libtpu's on "tpu", the C++ custom call on
+    "cpu", the XLA stand-in elsewhere), "xla" (the XLA stand-in) or "pallas" (the Pallas
+    embedding bag). Where the C++ lookup cannot be built (no compiler), "cpu" warns and takes
+    the XLA stand-in, which computes the same activations, only slower."""
     if lookup_impl not in LOOKUP_IMPLS:
         raise ValueError(f"lookup_impl must be one of {LOOKUP_IMPLS}, got {lookup_impl!r}")
     if platform == "tpu":
@@ -42,8 +48,10 @@ def local_kernels(platform: str, lookup_impl: Literal["xla", "pallas"] = "xla") 
 
         kernels = LocalKernels(tpu.lookup_local, tpu.update_local)
     else:
-        kernels = LocalKernels(lookup_local, update_local)
-    if lookup_impl == "pallas":
+        kernels = LocalKernels(_cpu_lookup() if platform == "cpu" else lookup_local, update_local)
+    if lookup_impl == "xla":
+        kernels = kernels._replace(lookup=lookup_local)
+    elif lookup_impl == "pallas":
         from sparsecore.kernels import pallas_lookup
 
         interpret = platform != "tpu"
@@ -51,6 +59,25 @@ def local_kernels(platform: str, lookup_impl: Literal["xla", "pallas"] = "xla") 
             lookup=functools.partial(pallas_lookup.lookup_local, interpret=interpret), lookup_check_vma=not interpret
         )
     return kernels
+
+
+@functools.cache
+def _cpu_lookup() -> Callable:
+    """The C++ lookup of the CPU stand-in, built on first use; the XLA stand-in's where the C++
+    cannot be built (with a warning saying why)."""
+    from sparsecore.kernels import cpu, native
+
+    try:
+        native.register(*cpu.EMBEDDING_BAG)
+    except (OSError, RuntimeError) as error:
+        warnings.warn(
+            f"sparsecore: the CPU lookup kernel could not be built ({error}); lookups run on the "
+            "slower XLA stand-in (same results)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return lookup_local
+    return cpu.lookup_local
 
 
 __all__ = ["KernelGeometry", "LocalKernels", "local_kernels", "workspace_rows"]

@@ -1,5 +1,8 @@
 """The stand-in SparseDenseMatmul: per-sample weighted sums of table rows, on a device mesh.
 
+The lookup of every platform without a kernel of its own, and `lookup_impl="xla"`'s; on the CPU
+stand-in the owner's loop below is by default the C++ custom call of `sparsecore.kernels.cpu`.
+
 Per device (inside `shard_map`): route the buffers' entries to the owners of their partitions,
 let every owner add `gain * table[row]` into the partial activation of the entry's source sample,
 and send the partials back, where the source sums them into `[S*B, D]`. Combiners need no code

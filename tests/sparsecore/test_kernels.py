@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sparsecore.api
 from sparsecore import optimizers as opt
 from sparsecore.api import SparseCoreEmbedding
 from sparsecore.kernels import local_kernels
@@ -32,6 +34,33 @@ from test_numerics import pooled_model, random_ids, row_gradients
 
 # (devices, SparseCores per device, seed): N = 4, 4 and 8 partitions.
 TOPOLOGIES = [(1, 4, 0), (2, 2, 1), (8, 1, 2)]
+
+
+def lookup_selected(lookup_impl: str):
+    """A module fixture under which every engine built defaults to `lookup_impl`'s lookup (for
+    modules that rerun this suite's and `test_numerics`' lookup tests on another lookup)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def selected():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sparsecore.api, "local_kernels", functools.partial(local_kernels, lookup_impl=lookup_impl))
+            yield
+
+    return selected
+
+
+def tiny_lookup(lowered: bool = True) -> str:
+    """The lookup of a one-feature engine built as the current defaults build it: as lowered
+    text, or (`lowered=False`) as a jaxpr."""
+    topology = Topology.cpu(1, 2)
+    stacks = stack_tables([FeatureSpec("f", TableSpec("t", 32, 8), 4)], topology)
+    engine = SparseCoreEmbedding(stacks, topology)
+    tables, _ = engine.init(jax.random.key(0))
+    ids = RaggedIds(np.arange(4, dtype=np.int32), lengths=np.ones(4, int))
+    batch = engine.put_batch(preprocess(stacks, {"f": ids}, topology))
+    if lowered:
+        return engine.lookup_program.lower(tables, batch).as_text()
+    return str(jax.make_jaxpr(engine.lookup_fn)(tables, batch))
 
 
 def random_model(

@@ -10,23 +10,19 @@
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 import torch
 
-import sparsecore.api
 from sparsecore.kernels import local_kernels
 from sparsecore.kernels.pallas_lookup import embedding_bag
 from sparsecore import optimizers as opt
 from sparsecore.api import SparseCoreEmbedding
 from sparsecore.layout import stack_tables
-from sparsecore.preprocess import RaggedIds, preprocess
-from sparsecore.spec import FeatureSpec, TableSpec
+from sparsecore.preprocess import preprocess
 from sparsecore.topology import Topology
-from test_kernels import TOPOLOGIES, garbage_outside_partitions, random_model
+from test_kernels import TOPOLOGIES, garbage_outside_partitions, lookup_selected, random_model, tiny_lookup
 from test_numerics import (  # noqa: F401  (collected here, with the Pallas lookup selected)
     forward_run,
     pooled_model,
@@ -37,22 +33,11 @@ from test_numerics import (  # noqa: F401  (collected here, with the Pallas look
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pallas_lookup_selected():
-    """Every engine built in this module defaults to the Pallas lookup."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sparsecore.api, "local_kernels", functools.partial(local_kernels, lookup_impl="pallas"))
-        yield
+pallas_lookup_selected = lookup_selected("pallas")
 
 
 def test_engines_here_lower_the_pallas_kernel():
-    topology = Topology.cpu(1, 2)
-    stacks = stack_tables([FeatureSpec("f", TableSpec("t", 32, 8), 4)], topology)
-    engine = SparseCoreEmbedding(stacks, topology)
-    tables, _ = engine.init(jax.random.key(0))
-    ids = RaggedIds(np.arange(4, dtype=np.int32), lengths=np.ones(4, int))
-    batch = engine.put_batch(preprocess(stacks, {"f": ids}, topology))
-    assert "sparsecore_embedding_bag" in str(jax.make_jaxpr(engine.lookup_fn)(tables, batch))
+    assert "sparsecore_embedding_bag" in tiny_lookup(lowered=False)
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def test_embedding_bag_refuses_bad_operands():
         cpu.embedding_bag(jnp.zeros((5, 3), jnp.bfloat16), rows, rows, rows.astype(jnp.float32), jnp.zeros(2, jnp.int32),
                           batch_size=2)
     with pytest.raises(ValueError, match=r"used \[W\]"):
-        cpu.embedding_bag(jnp.zeros((5, 3)), rows, rows, rows.astype(jnp.float32), jnp.zeros(3, jnp.int32), batch_size=2)
+        cpu.embedding_bag(jnp.zeros((5, 3), jnp.float32), rows, rows, rows.astype(jnp.float32), jnp.zeros(3, jnp.int32), batch_size=2)
 
 
 def test_without_the_kernel_the_stand_in_warns_and_takes_the_xla_lookup(monkeypatch):

@@ -152,8 +152,12 @@ def route_unique_rows(unique_ids: Array, geometry: KernelGeometry, axis_name: st
 
 
 def return_activations(partials: Array, geometry: KernelGeometry, axis_name: str) -> Array:
-    """Owner partial sums `[G*S*B, D]` (source-major) -> this device's activations `[S*B, D]`."""
+    """Owner partial sums `[G*S*B, D]` (source-major) -> this device's activations `[S*B, D]`
+    (on one device, the partials themselves: XLA:CPU copies them for an all-to-all over one
+    device, and again for the sum over its one source)."""
     g = geometry.num_devices
+    if g == 1:
+        return partials
     partials = partials.reshape(g, geometry.samples_per_device, partials.shape[-1])
     return lax.all_to_all(partials, axis_name, split_axis=0, concat_axis=0).sum(axis=0)
 

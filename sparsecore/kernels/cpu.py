@@ -5,9 +5,10 @@ entries to the owners of their partitions and of activations back is unchanged (
 `sparsecore.kernels.routing`); only the owner's `partials[w, sample] += gain * table[row]` over
 each window's entries is the custom call `embedding_bag` (`csrc/embedding_bag.cc`), run on
 XLA's intra-op threads. Like the libtpu call on a TPU (`sparsecore.kernels.tpu`), it reads the
-table in place and walks the entries once; XLA:CPU's best schedule of the same loop
-(`lookup.pooled_partials`) pays a dynamic-slice, gather and scatter per chunk of entries, and
-ran 3-3.5x FBGEMM's time on the benchmark's lookup.
+table in place; it orders each window's entries by sample and sums each sample's rows in
+registers, vectorised for the host's widest instructions. XLA:CPU's best schedule of the same
+loop (`lookup.pooled_partials`) pays a dynamic-slice, gather and scatter per chunk of entries,
+and ran 3-3.5x FBGEMM's time on the benchmark's lookup.
 
 Selected by `sparsecore.kernels.local_kernels("cpu")` (the stand-in's default; `lookup_impl="xla"`
 selects the XLA loop). Tables are float32, the stand-in's only table dtype.

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -25,7 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows ahead of the current entry whose table row is prefetched: the reads are random rows of a
+// Entries ahead of the current one whose table row is prefetched: the reads are random rows of a
 // table far larger than the caches, the one cost of this kernel that the arithmetic cannot hide.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kCacheLine = 64;
@@ -40,34 +41,59 @@ struct Bag {
   int64_t vocabulary, dim, entries, batch, ranges;
 };
 
-// Task `task` = (window, sample range): the range's output rows, zeroed, then accumulated.
+// One entry that counts, in sample order: the table row and its gain.
+struct Term {
+  int32_t row;
+  float gain;
+};
+
+// Task `task` = (window, sample range): the range's output rows. The task's entries that count
+// are first put in sample order, each with its row and gain (a counting sort: stable, so each
+// sample's entries keep their buffer order); each sample's row is then summed in a small
+// accumulator and written once. Summing in place entry by entry instead costs a read and a
+// write of an output row per entry (the window's rows do not fit in L1), ~30% slower.
+// Compiled for AVX-512 and AVX2 too (chosen at load time): the sums are then 16 or 8 lanes wide.
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void RunTask(const Bag& bag, int64_t task) {
   const int64_t window = task / bag.ranges, range = task % bag.ranges;
   const int64_t per_range = (bag.batch + bag.ranges - 1) / bag.ranges;
   const int64_t first = std::min(range * per_range, bag.batch);
   const int64_t last = std::min(first + per_range, bag.batch);
-  float* out = bag.out + window * bag.batch * bag.dim;
-  std::memset(out + first * bag.dim, 0, sizeof(float) * (last - first) * bag.dim);
   const int64_t count = std::clamp<int64_t>(bag.used[window], 0, bag.entries);
   const int32_t* rows = bag.rows + window * bag.entries;
   const int32_t* samples = bag.samples + window * bag.entries;
   const float* gains = bag.gains + window * bag.entries;
+  auto counts = [&](int64_t p) {
+    return samples[p] >= first && samples[p] < last && rows[p] >= 0 && rows[p] < bag.vocabulary;
+  };
+  thread_local std::vector<int32_t> starts, next;
+  thread_local std::vector<Term> terms;
+  thread_local std::vector<float> sum;
+  starts.assign(last - first + 1, 0);
   for (int64_t p = 0; p < count; ++p) {
-    if (p + kPrefetchDistance < count) {
-      const int64_t ahead = rows[p + kPrefetchDistance], its_sample = samples[p + kPrefetchDistance];
-      if (its_sample >= first && its_sample < last && ahead >= 0 && ahead < bag.vocabulary) {
-        const char* line = reinterpret_cast<const char*>(bag.table + ahead * bag.dim);
-        for (int64_t byte = 0; byte < bag.dim * int64_t{sizeof(float)}; byte += kCacheLine) {
-          __builtin_prefetch(line + byte);
-        }
+    if (counts(p)) ++starts[samples[p] - first + 1];
+  }
+  for (int64_t s = 1; s <= last - first; ++s) starts[s] += starts[s - 1];
+  next.assign(starts.begin(), starts.end() - 1);
+  terms.resize(starts[last - first]);
+  for (int64_t p = 0; p < count; ++p) {
+    if (counts(p)) terms[next[samples[p] - first]++] = Term{rows[p], gains[p]};
+  }
+  const int64_t total = terms.size(), dim = bag.dim;
+  sum.resize(dim);
+  float* __restrict acc = sum.data();
+  for (int64_t s = first; s < last; ++s) {
+    std::fill(acc, acc + dim, 0.0f);
+    for (int64_t k = starts[s - first]; k < starts[s - first + 1]; ++k) {
+      if (k + kPrefetchDistance < total) {
+        const char* line = reinterpret_cast<const char*>(bag.table + int64_t{terms[k + kPrefetchDistance].row} * dim);
+        for (int64_t byte = 0; byte < dim * int64_t{sizeof(float)}; byte += kCacheLine) __builtin_prefetch(line + byte);
       }
+      const float gain = terms[k].gain;
+      const float* __restrict source = bag.table + int64_t{terms[k].row} * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += gain * source[d];
     }
-    const int64_t sample = samples[p], row = rows[p];
-    if (sample < first || sample >= last || row < 0 || row >= bag.vocabulary) continue;
-    const float gain = gains[p];
-    const float* __restrict source = bag.table + row * bag.dim;
-    float* __restrict target = out + sample * bag.dim;
-    for (int64_t d = 0; d < bag.dim; ++d) target[d] += gain * source[d];
+    std::memcpy(bag.out + (window * bag.batch + s) * dim, acc, sizeof(float) * dim);
   }
 }
 

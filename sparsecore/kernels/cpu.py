@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsecore.kernels import native
 from sparsecore.kernels.geometry import KernelGeometry
@@ -26,6 +27,8 @@ Array = jax.Array
 
 EMBEDDING_BAG = ("embedding_bag", "SparseCoreEmbeddingBag")
 """The C++ source and handler of `embedding_bag` (`native.register`'s arguments)."""
+EMBEDDING_BAG_SEGMENTS = ("embedding_bag", "SparseCoreEmbeddingBagSegments")
+"""The same source's handler of `embedding_bag_segments`."""
 
 
 def embedding_bag(table: Array, rows: Array, samples: Array, gains: Array, used: Array, *, batch_size: int) -> Array:
@@ -49,6 +52,31 @@ def embedding_bag(table: Array, rows: Array, samples: Array, gains: Array, used:
     )
 
 
+def embedding_bag_segments(
+    table: Array, row_pointers: Array, embedding_ids: Array, sample_ids: Array, gains: Array, *,
+    geometry: KernelGeometry,
+) -> Array:
+    """`embedding_bag` of one device's packed buffers read in place, as a SparseCore reads them:
+    window s is SparseCore s's segment, and the slots of partition t in it, from the 8-aligned
+    end of partition t - 1 to `row_pointers[t]` (within the first `geometry.padded_window`
+    slots), hold rows `t * rows_per_shard + embedding_ids` -- the windows that
+    `routing.route_entries` builds on one device, without building them. `[S, B, D]` float32."""
+    if table.ndim != 2 or table.dtype != jnp.float32:
+        raise ValueError(f"embedding_bag_segments: the table must be float32 [V, D], got {table.dtype} {table.shape}")
+    s = geometry.sparsecores_per_device
+    out = jax.ShapeDtypeStruct((s, geometry.batch_size_per_sparsecore, table.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(native.register(*EMBEDDING_BAG_SEGMENTS), out)(
+        table,
+        row_pointers.astype(jnp.int32),
+        embedding_ids.astype(jnp.int32),
+        sample_ids.astype(jnp.int32),
+        gains.astype(jnp.float32),
+        partitions=np.int64(geometry.num_sparsecores),
+        readable=np.int64(min(geometry.segment_size, geometry.padded_window)),
+        rows_per_shard=np.int64(geometry.rows_per_shard),
+    )
+
+
 def lookup_local(
     row_pointers: Array,
     embedding_ids: Array,
@@ -59,7 +87,11 @@ def lookup_local(
     geometry: KernelGeometry,
     axis_name: str,
 ) -> Array:
-    """One device's lookup (the signature of `lookup.lookup_local`)."""
+    """One device's lookup (the signature of `lookup.lookup_local`). On a mesh of one device
+    nothing needs routing: the kernel reads the packed buffers in place."""
+    if geometry.num_devices == 1:
+        partials = embedding_bag_segments(table, row_pointers, embedding_ids, sample_ids, gains, geometry=geometry)
+        return partials.reshape(-1, table.shape[1])
     entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
     partials = embedding_bag(
         table, entries.rows, entries.samples, entries.gains, entries.used, batch_size=geometry.batch_size_per_sparsecore

@@ -3,9 +3,11 @@
 * The kernel alone matches `torch.Tensor.index_add_` of weighted table rows, with entries that
   must add nothing (negative rows, rows past the table, samples outside the window, slots past
   a window's used length) mixed in, over as many windows as threads and fewer.
-* Engines on the stand-in lower their lookup to the custom call; every other engine test of
-  `tests/sparsecore` (forward against `torch.nn.EmbeddingBag`, random topologies with garbage,
-  training against FBGEMM) then runs it.
+* Engines on the stand-in lower their lookup to the custom calls (on one device, the one that
+  reads the packed buffers in place; on a mesh, the one over routed windows); every other
+  engine test of `tests/sparsecore` (forward against `torch.nn.EmbeddingBag`, random topologies
+  with garbage outside the partitions on 1, 2 and 8 devices, training against FBGEMM) then runs
+  them.
 * Bad operands are refused with the reason; without a C++ compiler the stand-in warns and takes
   the XLA lookup.
 """
@@ -71,7 +73,11 @@ def test_embedding_bag_overwrites_a_reused_output_buffer():
 
 
 def test_engines_on_the_stand_in_lower_the_custom_call():
-    assert "stablehlo.custom_call @sparsecore_SparseCoreEmbeddingBag(" in tiny_lookup()
+    """One device reads its packed buffers in place; a mesh sums the windows routing delivers."""
+    one, mesh = tiny_lookup(devices=1), tiny_lookup(devices=2)
+    assert "custom_call @sparsecore_SparseCoreEmbeddingBagSegments(" in one
+    assert "custom_call @sparsecore_SparseCoreEmbeddingBag(" not in one
+    assert "custom_call @sparsecore_SparseCoreEmbeddingBag(" in mesh
 
 
 def test_embedding_bag_refuses_bad_operands():

@@ -2,7 +2,8 @@
 
 * Lookup and a fused update (SGD and Adagrad) agree with a NumPy model of the ragged inputs.
 * Buffers whose slots outside the partitions (gaps, pads, the undefined tail) hold garbage --
-  huge and negative ids, NaN and inf gains -- give bit-identical results; an update leaves its
+  huge and negative ids, samples in and out of range, NaN and inf gains -- give bit-identical
+  results; an update leaves its
   gradient workspace all zeros, as it found it (the next step relies on that).
 * The compiled lookup and update contain no copy of a table-sized buffer, and the update aliases
   the donated table, slots and workspace to its outputs. The detector is checked on a program
@@ -49,10 +50,10 @@ def lookup_selected(lookup_impl: str):
     return selected
 
 
-def tiny_lookup(lowered: bool = True) -> str:
-    """The lookup of a one-feature engine built as the current defaults build it: as lowered
-    text, or (`lowered=False`) as a jaxpr."""
-    topology = Topology.cpu(1, 2)
+def tiny_lookup(lowered: bool = True, devices: int = 1) -> str:
+    """The lookup of a one-feature engine on `devices` devices, built as the current defaults
+    build it: as lowered text, or (`lowered=False`) as a jaxpr."""
+    topology = Topology.cpu(devices, 2)
     stacks = stack_tables([FeatureSpec("f", TableSpec("t", 32, 8), 4)], topology)
     engine = SparseCoreEmbedding(stacks, topology)
     tables, _ = engine.init(jax.random.key(0))
@@ -102,7 +103,7 @@ def garbage_outside_partitions(batch: PackedBatch, n: int, rng: np.random.Genera
     )
     index = batch.unique.entry_unique_index.copy()
     ids[~real] = rng.choice([-(2**31), -1, 2**31 - 1, 10**6, 7], size)
-    sample_ids[~real] = rng.choice([-(2**31), -5, 2**31 - 1, 10**5], size)
+    sample_ids[~real] = rng.choice([-(2**31), -5, 2**31 - 1, 10**5, 0, 1], size)
     gains[~real] = rng.choice(np.float32([np.nan, np.inf, -np.inf, 3e38, 1.0]), size)
     index[~real] = rng.choice([-(2**31), -1, 2**31 - 1, 12345], size)
     unique = dataclasses.replace(batch.unique, entry_unique_index=index)

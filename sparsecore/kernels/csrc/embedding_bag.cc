@@ -1,7 +1,13 @@
-// The owner's arithmetic of the stand-in lookup as an XLA:CPU custom call (see
-// sparsecore/kernels/cpu.py): partials[w, sample] += gain * table[row] over the first used[w]
-// entries of every window w; entries with a row outside [0, V) or a sample outside [0, B) add
-// nothing, samples no entry names are zero.
+// The owner's arithmetic of the stand-in lookup as XLA:CPU custom calls (see
+// sparsecore/kernels/cpu.py): partials[w, sample] += gain * table[row] over the entries of every
+// window w; entries with a row outside [0, V) or a sample outside [0, B) add nothing, samples no
+// entry names are zero. Two sources of entries:
+//   SparseCoreEmbeddingBag: routed windows (rows, samples, gains [W, P], used [W]), as the
+//     routing of a mesh of devices delivers them;
+//   SparseCoreEmbeddingBagSegments: one device's packed buffers read in place, as a SparseCore
+//     reads them: window s is SparseCore s's segment, partition t its slots
+//     [round_up(row_pointers[t - 1], 8), row_pointers[t]) (from 0 for t = 0), row
+//     t * rows_per_shard + embedding id.
 //
 // Work is split into (window, sample range) tasks, so no two tasks write one output row and no
 // atomics are needed: one task per window, or where there are fewer windows than threads, each
@@ -26,19 +32,52 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Entries ahead of the current one whose table row is prefetched: the reads are random rows of a
+// Terms ahead of the current one whose table row is prefetched: the reads are random rows of a
 // table far larger than the caches, the one cost of this kernel that the arithmetic cannot hide.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kCacheLine = 64;
 
-struct Bag {
-  const float* table;
+// The entries of routed windows.
+struct Windows {
   const int32_t* rows;
   const int32_t* samples;
   const float* gains;
   const int32_t* used;
+  int64_t slots;  // P
+
+  template <class F>
+  void ForEach(int64_t window, F&& f) const {
+    const int64_t base = window * slots, count = std::clamp<int64_t>(used[window], 0, slots);
+    for (int64_t p = base; p < base + count; ++p) f(samples[p], rows[p], gains[p]);
+  }
+};
+
+// The entries of one device's packed buffers, partition by partition.
+struct Segments {
+  const int32_t* row_pointers;
+  const int32_t* ids;
+  const int32_t* samples;
+  const float* gains;
+  int64_t partitions, pointers_per_sparsecore, segment, readable, rows_per_shard;
+
+  template <class F>
+  void ForEach(int64_t sparsecore, F&& f) const {
+    const int32_t* ends = row_pointers + sparsecore * pointers_per_sparsecore;
+    const int64_t base = sparsecore * segment;
+    int64_t start = 0;
+    for (int64_t t = 0; t < partitions; ++t) {
+      const int64_t end = std::min<int64_t>(ends[t], readable), row = t * rows_per_shard;
+      for (int64_t p = std::max<int64_t>(start, 0); p < end; ++p) f(samples[base + p], row + ids[base + p], gains[base + p]);
+      start = (int64_t{ends[t]} + 7) / 8 * 8;
+    }
+  }
+};
+
+// What every task shares: the table, the output and the split.
+struct Bag {
+  const float* table;
   float* out;
-  int64_t vocabulary, dim, entries, batch, ranges;
+  int64_t vocabulary, dim, batch, ranges;
 };
 
 // One entry that counts, in sample order: the table row and its gain.
@@ -47,39 +86,16 @@ struct Term {
   float gain;
 };
 
-// Task `task` = (window, sample range): the range's output rows. The task's entries that count
-// are first put in sample order, each with its row and gain (a counting sort: stable, so each
-// sample's entries keep their buffer order); each sample's row is then summed in a small
-// accumulator and written once. Summing in place entry by entry instead costs a read and a
-// write of an output row per entry (the window's rows do not fit in L1), ~30% slower.
-// Compiled for AVX-512 and AVX2 too (chosen at load time): the sums are then 16 or 8 lanes wide.
+// Samples [first, last) of `window`, from their terms: sample s sums terms [starts[s - first],
+// starts[s - first + 1]) in a small accumulator and writes it once. Summing in place entry by
+// entry instead costs a read and a write of an output row per entry (a window's rows do not
+// fit in L1), ~30% slower. Compiled for AVX-512 and AVX2 too (chosen at load time): the sums are
+// then 16 or 8 lanes wide.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void RunTask(const Bag& bag, int64_t task) {
-  const int64_t window = task / bag.ranges, range = task % bag.ranges;
-  const int64_t per_range = (bag.batch + bag.ranges - 1) / bag.ranges;
-  const int64_t first = std::min(range * per_range, bag.batch);
-  const int64_t last = std::min(first + per_range, bag.batch);
-  const int64_t count = std::clamp<int64_t>(bag.used[window], 0, bag.entries);
-  const int32_t* rows = bag.rows + window * bag.entries;
-  const int32_t* samples = bag.samples + window * bag.entries;
-  const float* gains = bag.gains + window * bag.entries;
-  auto counts = [&](int64_t p) {
-    return samples[p] >= first && samples[p] < last && rows[p] >= 0 && rows[p] < bag.vocabulary;
-  };
-  thread_local std::vector<int32_t> starts, next;
-  thread_local std::vector<Term> terms;
+void SumTerms(const Bag& bag, int64_t window, int64_t first, int64_t last, const int32_t* starts,
+              const Term* terms) {
+  const int64_t total = starts[last - first], dim = bag.dim;
   thread_local std::vector<float> sum;
-  starts.assign(last - first + 1, 0);
-  for (int64_t p = 0; p < count; ++p) {
-    if (counts(p)) ++starts[samples[p] - first + 1];
-  }
-  for (int64_t s = 1; s <= last - first; ++s) starts[s] += starts[s - 1];
-  next.assign(starts.begin(), starts.end() - 1);
-  terms.resize(starts[last - first]);
-  for (int64_t p = 0; p < count; ++p) {
-    if (counts(p)) terms[next[samples[p] - first]++] = Term{rows[p], gains[p]};
-  }
-  const int64_t total = terms.size(), dim = bag.dim;
   sum.resize(dim);
   float* __restrict acc = sum.data();
   for (int64_t s = first; s < last; ++s) {
@@ -97,8 +113,37 @@ void RunTask(const Bag& bag, int64_t task) {
   }
 }
 
+// Task `task` = (window, sample range): the range's output rows. The window's entries that count
+// are put in sample order, each with its row and gain (a counting sort: stable, so each sample's
+// entries keep their buffer order), then summed (`SumTerms`).
+template <class Source>
+void RunTask(const Bag& bag, const Source& source, int64_t task) {
+  const int64_t window = task / bag.ranges, range = task % bag.ranges;
+  const int64_t per_range = (bag.batch + bag.ranges - 1) / bag.ranges;
+  const int64_t first = std::min(range * per_range, bag.batch);
+  const int64_t last = std::min(first + per_range, bag.batch);
+  auto counts = [&](int64_t sample, int64_t row) {
+    return sample >= first && sample < last && row >= 0 && row < bag.vocabulary;
+  };
+  thread_local std::vector<int32_t> starts, next;
+  thread_local std::vector<Term> terms;
+  starts.assign(last - first + 1, 0);
+  source.ForEach(window, [&](int64_t sample, int64_t row, float) {
+    if (counts(sample, row)) ++starts[sample - first + 1];
+  });
+  for (int64_t s = 1; s <= last - first; ++s) starts[s] += starts[s - 1];
+  next.assign(starts.begin(), starts.end() - 1);
+  terms.resize(starts[last - first]);
+  source.ForEach(window, [&](int64_t sample, int64_t row, float gain) {
+    if (counts(sample, row)) terms[next[sample - first]++] = Term{static_cast<int32_t>(row), gain};
+  });
+  SumTerms(bag, window, first, last, starts.data(), terms.data());
+}
+
+template <class Source>
 struct Tasks {
   Bag bag;
+  Source source;
   int64_t total;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -108,7 +153,7 @@ struct Tasks {
   // Claim and run tasks until none is left.
   void Work() {
     for (int64_t task; (task = next.fetch_add(1)) < total;) {
-      RunTask(bag, task);
+      RunTask(bag, source, task);
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mutex);
         finished.notify_all();
@@ -117,6 +162,25 @@ struct Tasks {
   }
 };
 
+// Every output row of `windows` windows of `batch` samples, on the pool's threads and this one.
+template <class Source>
+void Run(ffi::ThreadPool& pool, const float* table, float* out, int64_t vocabulary, int64_t dim, int64_t windows,
+         int64_t batch, const Source& source) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t ranges = std::clamp<int64_t>((threads + windows - 1) / std::max<int64_t>(windows, 1), 1,
+                                             std::max<int64_t>(batch, 1));
+  auto tasks = std::make_shared<Tasks<Source>>();
+  tasks->bag = Bag{table, out, vocabulary, dim, batch, ranges};
+  tasks->source = source;
+  tasks->total = windows * ranges;
+  for (int64_t helper = 1; helper < std::min(threads, tasks->total); ++helper) {
+    pool.Schedule([tasks] { tasks->Work(); });
+  }
+  tasks->Work();
+  std::unique_lock<std::mutex> lock(tasks->mutex);
+  tasks->finished.wait(lock, [&] { return tasks->done.load() == tasks->total; });
+}
+
 ffi::Error EmbeddingBag(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> rows,
                         ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::S32> used,
                         ffi::ResultBuffer<ffi::F32> out) {
@@ -124,25 +188,34 @@ ffi::Error EmbeddingBag(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::
   if (table_dims.size() != 2 || entry_dims.size() != 2 || out_dims.size() != 3) {
     return ffi::Error::InvalidArgument("embedding_bag: table [V, D], entries [W, P], output [W, B, D] expected");
   }
-  const int64_t windows = entry_dims[0], dim = table_dims[1];
-  const int64_t entries = windows * entry_dims[1];
+  const int64_t windows = entry_dims[0], dim = table_dims[1], entries = windows * entry_dims[1];
   if (samples.element_count() != entries || gains.element_count() != entries || used.element_count() != windows ||
       out_dims[0] != windows || out_dims[2] != dim) {
     return ffi::Error::InvalidArgument("embedding_bag: operand shapes disagree");
   }
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  auto tasks = std::make_shared<Tasks>();
-  tasks->bag = Bag{table.typed_data(), rows.typed_data(), samples.typed_data(), gains.typed_data(),
-                   used.typed_data(), out->typed_data(), table_dims[0], dim, entry_dims[1], out_dims[1],
-                   std::clamp<int64_t>((threads + windows - 1) / std::max<int64_t>(windows, 1), 1,
-                                       std::max<int64_t>(out_dims[1], 1))};
-  tasks->total = windows * tasks->bag.ranges;
-  for (int64_t helper = 1; helper < std::min(threads, tasks->total); ++helper) {
-    pool.Schedule([tasks] { tasks->Work(); });
+  Run(pool, table.typed_data(), out->typed_data(), table_dims[0], dim, windows, out_dims[1],
+      Windows{rows.typed_data(), samples.typed_data(), gains.typed_data(), used.typed_data(), entry_dims[1]});
+  return ffi::Error::Success();
+}
+
+ffi::Error EmbeddingBagSegments(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> row_pointers,
+                                ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains,
+                                int64_t partitions, int64_t readable, int64_t rows_per_shard,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  const auto table_dims = table.dimensions(), out_dims = out->dimensions();
+  if (table_dims.size() != 2 || out_dims.size() != 3) {
+    return ffi::Error::InvalidArgument("embedding_bag_segments: table [V, D], output [S, B, D] expected");
   }
-  tasks->Work();
-  std::unique_lock<std::mutex> lock(tasks->mutex);
-  tasks->finished.wait(lock, [&] { return tasks->done.load() == tasks->total; });
+  const int64_t sparsecores = out_dims[0], dim = table_dims[1], slots = ids.element_count();
+  const int64_t pointers = row_pointers.element_count();
+  if (sparsecores < 1 || slots % sparsecores || pointers % sparsecores || pointers / sparsecores < partitions ||
+      samples.element_count() != slots || gains.element_count() != slots || out_dims[2] != dim ||
+      readable > slots / sparsecores) {
+    return ffi::Error::InvalidArgument("embedding_bag_segments: operand shapes disagree");
+  }
+  Run(pool, table.typed_data(), out->typed_data(), table_dims[0], dim, sparsecores, out_dims[1],
+      Segments{row_pointers.typed_data(), ids.typed_data(), samples.typed_data(), gains.typed_data(), partitions,
+               pointers / sparsecores, slots / sparsecores, readable, rows_per_shard});
   return ffi::Error::Success();
 }
 
@@ -156,4 +229,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseCoreEmbeddingBag, EmbeddingBag,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseCoreEmbeddingBagSegments, EmbeddingBagSegments,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("partitions")
+                                  .Attr<int64_t>("readable")
+                                  .Attr<int64_t>("rows_per_shard")
                                   .Ret<ffi::Buffer<ffi::F32>>());

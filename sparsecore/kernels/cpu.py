@@ -1,14 +1,16 @@
 """The lookup on the CPU stand-in: the owner's arithmetic as a C++ XLA:CPU custom call.
 
-What `sparsecore.kernels.lookup` computes with XLA ops, and in the same way: the routing of
-entries to the owners of their partitions and of activations back is unchanged (XLA collectives,
-`sparsecore.kernels.routing`); only the owner's `partials[w, sample] += gain * table[row]` over
-each window's entries is the custom call `embedding_bag` (`csrc/embedding_bag.cc`), run on
-XLA's intra-op threads. Like the libtpu call on a TPU (`sparsecore.kernels.tpu`), it reads the
-table in place; it orders each window's entries by sample and sums each sample's rows in
-registers, vectorised for the host's widest instructions. XLA:CPU's best schedule of the same
-loop (`lookup.pooled_partials`) pays a dynamic-slice, gather and scatter per chunk of entries,
-and ran 3-3.5x FBGEMM's time on the benchmark's lookup.
+What `sparsecore.kernels.lookup` computes with XLA ops, and in the same way: on a mesh, the
+routing of entries to the owners of their partitions and of activations back is unchanged (XLA
+collectives, `sparsecore.kernels.routing`) and only the owner's `partials[w, sample] += gain *
+table[row]` over each window's entries is the custom call `embedding_bag`; on one device, where
+nothing moves, `embedding_bag_segments` reads the packed buffers in place, partition by
+partition (`csrc/embedding_bag.cc`, both). They run on XLA's intra-op threads and, like the
+libtpu call on a TPU (`sparsecore.kernels.tpu`), read the table in place; they order each
+window's entries by sample and sum each sample's rows in a small accumulator, vectorised for the
+host's widest instructions. XLA:CPU's best schedule of the same loop (`lookup.pooled_partials`)
+pays a dynamic-slice, gather and scatter per chunk of entries, and ran 3-3.5x FBGEMM's time on
+the benchmark's lookup.
 
 Selected by `sparsecore.kernels.local_kernels("cpu")` (the stand-in's default; `lookup_impl="xla"`
 selects the XLA loop). Tables are float32, the stand-in's only table dtype.

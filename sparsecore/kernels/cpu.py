@@ -23,7 +23,7 @@ import numpy as np
 
 from sparsecore.kernels import native
 from sparsecore.kernels.geometry import KernelGeometry
-from sparsecore.kernels.routing import return_activations, route_entries
+from sparsecore.kernels.routing import routed_lookup
 
 Array = jax.Array
 
@@ -94,8 +94,11 @@ def lookup_local(
     if geometry.num_devices == 1:
         partials = embedding_bag_segments(table, row_pointers, embedding_ids, sample_ids, gains, geometry=geometry)
         return partials.reshape(-1, table.shape[1])
-    entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
-    partials = embedding_bag(
-        table, entries.rows, entries.samples, entries.gains, entries.used, batch_size=geometry.batch_size_per_sparsecore
-    )
-    return return_activations(partials.reshape(-1, table.shape[1]), geometry, axis_name)
+    def owner_partials(entries):
+        partials = embedding_bag(
+            table, entries.rows, entries.samples, entries.gains, entries.used,
+            batch_size=geometry.batch_size_per_sparsecore,
+        )
+        return partials.reshape(-1, table.shape[1])
+
+    return routed_lookup(owner_partials, row_pointers, embedding_ids, sample_ids, gains, geometry, axis_name)

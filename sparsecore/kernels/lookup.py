@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sparsecore.kernels.geometry import KernelGeometry
-from sparsecore.kernels.routing import OwnedEntries, return_activations, route_entries
+from sparsecore.kernels.routing import OwnedEntries, routed_lookup
 from sparsecore.kernels.rows import accumulate_rows, varying
 
 Array = jax.Array
@@ -64,6 +64,7 @@ def lookup_local(
     axis_name: str,
 ) -> Array:
     """One device's lookup: its 1-D buffers and table shard `[S*Vs, D]` -> activations `[S*B, D]`."""
-    entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
-    partials = pooled_partials(table, entries, geometry, axis_name)
-    return return_activations(partials, geometry, axis_name)
+    return routed_lookup(
+        lambda entries: pooled_partials(table, entries, geometry, axis_name),
+        row_pointers, embedding_ids, sample_ids, gains, geometry, axis_name,
+    )

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from sparsecore.kernels.geometry import KernelGeometry
-from sparsecore.kernels.routing import return_activations, route_entries
+from sparsecore.kernels.routing import routed_lookup
 
 Array = jax.Array
 
@@ -100,9 +100,12 @@ def lookup_local(
 ) -> Array:
     """One device's lookup with the Pallas embedding bag (signature of the stand-in's, plus the
     platform switch `interpret`)."""
-    entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
-    samples = jnp.where(entries.valid, entries.samples, -1)
-    partials = embedding_bag(
-        table, entries.rows, samples, entries.gains, batch_size=geometry.batch_size_per_sparsecore, interpret=interpret
-    )
-    return return_activations(partials.reshape(-1, table.shape[1]).astype(table.dtype), geometry, axis_name)
+    def owner_partials(entries):
+        samples = jnp.where(entries.valid, entries.samples, -1)
+        partials = embedding_bag(
+            table, entries.rows, samples, entries.gains, batch_size=geometry.batch_size_per_sparsecore,
+            interpret=interpret,
+        )
+        return partials.reshape(-1, table.shape[1]).astype(table.dtype)
+
+    return routed_lookup(owner_partials, row_pointers, embedding_ids, sample_ids, gains, geometry, axis_name)

@@ -13,6 +13,7 @@ an `all_to_all`; activation gradients reach every owner with an `all_gather`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -141,6 +142,23 @@ def _own_segments(
         gains=field(gains, 0.0),
         unique_slots=None if entry_unique_index is None else field(entry_unique_index, 0),
     )
+
+
+def routed_lookup(
+    owner_partials: Callable[[OwnedEntries], Array],
+    row_pointers: Array,
+    embedding_ids: Array,
+    sample_ids: Array,
+    gains: Array,
+    geometry: KernelGeometry,
+    axis_name: str,
+) -> Array:
+    """One device's lookup on a mesh: its entries go to their owners, `owner_partials(entries)`
+    sums what this device owns into the partial activations `[G*S*B, D]` of every source sample,
+    and those go back: this device's activations `[S*B, D]`. The lookups differ only in
+    `owner_partials`."""
+    entries = route_entries(row_pointers, embedding_ids, sample_ids, gains, None, geometry, axis_name)
+    return return_activations(owner_partials(entries), geometry, axis_name)
 
 
 def route_unique_rows(unique_ids: Array, geometry: KernelGeometry, axis_name: str) -> Array:

@@ -28,6 +28,7 @@ __all__ = [
     "PackedBuffers",
     "buffer_sizes",
     "pack_chunk",
+    "raise_buffer_overflow",
 ]
 
 PAD_ID = 2**31 - 1
@@ -105,23 +106,39 @@ class PackedBuffers:
     unique: UniqueRows | None
 
     @classmethod
-    def empty(cls, sizes: BufferSizes, topology: Topology, with_unique_rows: bool) -> PackedBuffers:
+    def empty(
+        cls, sizes: BufferSizes, topology: Topology, with_unique_rows: bool, preset: bool = True
+    ) -> PackedBuffers:
+        """The buffers preset to pads (zero row pointers and counts), or, with `preset` false,
+        uninitialised, for a writer that fills every slot."""
         devices, n = topology.local_device_count, topology.num_sparsecores
         coo = (devices, sizes.coo_buffer_size_per_device)
+
+        def pads(shape: tuple[int, ...], value: float, dtype: type) -> np.ndarray:
+            return np.full(shape, value, dtype) if preset else np.empty(shape, dtype)
+
         unique = None
         if with_unique_rows:
             unique = UniqueRows(
-                unique_ids=np.full((devices, n, sizes.unique_rows_per_partition), PAD_ID, np.int32),
-                unique_counts=np.zeros((devices, n), np.int32),
-                entry_unique_index=np.full(coo, PAD_ID, np.int32),
+                unique_ids=pads((devices, n, sizes.unique_rows_per_partition), PAD_ID, np.int32),
+                unique_counts=pads((devices, n), 0, np.int32),
+                entry_unique_index=pads(coo, PAD_ID, np.int32),
             )
         return cls(
-            row_pointers=np.zeros((devices, sizes.row_pointers_size_per_device), np.int32),
-            embedding_ids=np.full(coo, PAD_ID, np.int32),
-            sample_ids=np.full(coo, PAD_ID, np.int32),
-            gains=np.full(coo, np.nan, np.float32),
+            row_pointers=pads((devices, sizes.row_pointers_size_per_device), 0, np.int32),
+            embedding_ids=pads(coo, PAD_ID, np.int32),
+            sample_ids=pads(coo, PAD_ID, np.int32),
+            gains=pads(coo, np.nan, np.float32),
             unique=unique,
         )
+
+
+def raise_buffer_overflow(stack: StackedTable, sizes: BufferSizes, kept: np.ndarray, first: int) -> None:
+    """Raise `BufferOverflowError` for the SparseCore (of local SparseCores `first`, ... with
+    `kept[s, p]` pairs per partition) that needs the most slots."""
+    needed = ((kept + 7) & ~7).sum(axis=1)
+    device, sparsecore = divmod(first + int(np.argmax(needed)), sizes.sparsecores_per_device)
+    raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
 
 
 def pack_chunk(
@@ -149,10 +166,8 @@ def pack_chunk(
     starts = np.cumsum(rounded, axis=1) - rounded
     ends = starts + kept
     if ends[:, -1].max(initial=0) > segment:
-        needed = starts[:, -1] + rounded[:, -1]
         if not allow_id_dropping:
-            device, sparsecore = divmod(first + int(np.argmax(needed)), sizes.sparsecores_per_device)
-            raise BufferOverflowError(stack, sizes, device, sparsecore, int(needed.max()))
+            raise_buffer_overflow(stack, sizes, kept, first)
         starts, ends = np.minimum(starts, segment), np.minimum(ends, segment)
         bucket = pairs.bucket_of_pairs()
         rank = np.arange(len(pairs.keys)) - pairs.bucket_starts[bucket]

@@ -14,6 +14,7 @@ drop the pairs past them, counting every raw id dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,14 @@ import numpy as np
 from sparsecore.layout import StackedTable
 from sparsecore.preprocess.keys import KeyLayout, sorted_order
 
-__all__ = ["MergedPairs", "PartitionLimitError", "merge_pairs", "select_pairs"]
+__all__ = [
+    "MergedPairs",
+    "PartitionLimitError",
+    "check_limits",
+    "exceeds_limits",
+    "merge_pairs",
+    "select_pairs",
+]
 
 
 def first_of_runs(values: np.ndarray) -> np.ndarray:
@@ -116,25 +124,38 @@ def _table_maxima(
     return tuple(ids.max(axis=0).tolist()), tuple(unique.max(axis=0).tolist())
 
 
-def _raise_limit_error(
+def check_limits(
     stack: StackedTable,
-    limit: str,
-    counts: np.ndarray,
-    configured: int,
-    layout: KeyLayout,
+    ids_per_bucket: np.ndarray,
+    unique_per_bucket: np.ndarray,
     first_sparsecore: int,
     sparsecores_per_device: int,
-    bucket_starts: np.ndarray,
-    pair_feature: np.ndarray,
+    features_in_bucket: Callable[[int], np.ndarray],
 ) -> None:
-    """Raise `PartitionLimitError` for the (SparseCore, partition) with the largest count."""
-    worst = int(np.argmax(counts))
-    local_sc, partition = divmod(worst, counts.shape[1])
-    device, sparsecore = divmod(first_sparsecore + local_sc, sparsecores_per_device)
-    features = np.unique(pair_feature[bucket_starts[worst] : bucket_starts[worst + 1]])
-    names = tuple(stack.features[f].feature.name for f in features)
-    raise PartitionLimitError(
-        stack, limit, int(counts.flat[worst]), configured, device, sparsecore, partition, names
+    """Raise `PartitionLimitError` if a (SparseCore, partition) of local SparseCores
+    `first_sparsecore`, ... (counts `[SparseCores, N]`) exceeds a limit of the stack: the one with
+    the largest count, max_ids_per_partition checked first. `features_in_bucket(b)` gives the
+    indices (into `stack.features`) of the features with ids in bucket b of the counts."""
+    limits = (
+        ("max_ids_per_partition", ids_per_bucket, stack.max_ids_per_partition),
+        ("max_unique_ids_per_partition", unique_per_bucket, stack.max_unique_ids_per_partition),
+    )
+    for limit, counts, configured in limits:
+        if counts.max(initial=0) > configured:
+            worst = int(np.argmax(counts))
+            local_sc, partition = divmod(worst, counts.shape[1])
+            device, sparsecore = divmod(first_sparsecore + local_sc, sparsecores_per_device)
+            names = tuple(stack.features[f].feature.name for f in features_in_bucket(worst))
+            raise PartitionLimitError(
+                stack, limit, int(counts.flat[worst]), configured, device, sparsecore, partition, names
+            )
+
+
+def exceeds_limits(stack: StackedTable, ids_per_bucket: np.ndarray, unique_per_bucket: np.ndarray) -> bool:
+    """Whether any (SparseCore, partition) exceeds a limit of the stack."""
+    return bool(
+        ids_per_bucket.max(initial=0) > stack.max_ids_per_partition
+        or unique_per_bucket.max(initial=0) > stack.max_unique_ids_per_partition
     )
 
 
@@ -191,20 +212,14 @@ def merge_pairs(
         table_unique_max=table_unique_max,
         dropped_ids=0,
     )
-    limits = (
-        ("max_ids_per_partition", ids_per_bucket, stack.max_ids_per_partition),
-        ("max_unique_ids_per_partition", unique_per_bucket, stack.max_unique_ids_per_partition),
-    )
-    if not any(counts.max(initial=0) > configured for _, counts, configured in limits):
+    if not exceeds_limits(stack, ids_per_bucket, unique_per_bucket):
         return pairs
     if not allow_id_dropping:
         pair_feature = np.searchsorted(feature_starts, order[starts], side="right") - 1
-        for limit, counts, configured in limits:
-            if counts.max(initial=0) > configured:
-                _raise_limit_error(
-                    stack, limit, counts, configured, layout, first_sparsecore,
-                    sparsecores_per_device, bucket_starts, pair_feature,
-                )
+        check_limits(
+            stack, ids_per_bucket, unique_per_bucket, first_sparsecore, sparsecores_per_device,
+            lambda b: np.unique(pair_feature[bucket_starts[b] : bucket_starts[b + 1]]),
+        )
     bucket = pairs.bucket_of_pairs()
     rank = np.arange(len(starts)) - bucket_starts[bucket]
     column_rank = columns_before[1:] - 1 - columns_before[bucket_starts[bucket]]

@@ -1,28 +1,48 @@
 """Host preprocessing of one batch: ragged ids per feature -> packed buffers per stacked table.
 
-For each stack: validate and expand every feature (`ragged`), then, chunk by chunk of this
-host's SparseCores, merge and limit per partition (`partition`) and pack into the static
-buffers (`pack`); then, device by device, build the unique-row side-car from the SparseCores'
-columns (`unique_rows`); finally gather the stats (`stats`). Buckets never span SparseCores, so
-chunks are independent: they keep the arrays small enough to stay in cache, and `preprocess` may
-run them (and the devices' side-cars) on a few threads (NumPy releases the GIL in its sorts and
-loops).
+For each stack: validate every feature and fold its combiner into gains (`ragged`, `gains`),
+then fill the buffers by one of two paths that give the same results:
+
+* compiled (`native`): one call per local device maps, sorts, merges, limits and packs its ids
+  and writes its side-car, without the GIL;
+* NumPy: every feature expanded to sort keys (`ragged`), then, chunk by chunk of this host's
+  SparseCores, merge and limit per partition (`partition`) and pack (`pack`); then, device by
+  device, the unique-row side-car from the SparseCores' columns (`unique_rows`). Buckets never
+  span SparseCores, so chunks are independent: they keep the arrays small enough to stay in
+  cache (NumPy releases the GIL in its sorts and loops).
+
+Either way the tasks may run on a few threads, and the stats are gathered last (`stats`).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from sparsecore.layout import StackedTable
 from sparsecore.preprocess.keys import KeyLayout
-from sparsecore.preprocess.pack import BufferSizes, PackedBuffers, buffer_sizes, pack_chunk
-from sparsecore.preprocess.partition import merge_pairs
-from sparsecore.preprocess.ragged import FeatureCoordinates, RaggedIds, expand_feature
+from sparsecore.preprocess import native
+from sparsecore.preprocess.pack import (
+    BufferSizes,
+    PackedBuffers,
+    buffer_sizes,
+    pack_chunk,
+    raise_buffer_overflow,
+)
+from sparsecore.preprocess.partition import check_limits, merge_pairs
+from sparsecore.preprocess.ragged import (
+    FeatureCoordinates,
+    RaggedIds,
+    ValidFeature,
+    expand_feature,
+    validate_feature,
+)
 from sparsecore.preprocess.stats import PartitionStats
 from sparsecore.preprocess.unique_rows import (
     SparseCoreColumns,
@@ -32,7 +52,7 @@ from sparsecore.preprocess.unique_rows import (
 )
 from sparsecore.topology import Topology
 
-__all__ = ["PackedBatch", "preprocess", "preprocess_stack"]
+__all__ = ["Implementation", "PackedBatch", "preprocess", "preprocess_stack"]
 
 CHUNK_IDS = 1 << 16
 """Ids per chunk of SparseCores to aim for. On this 2-core machine sorting and gathering cost
@@ -60,21 +80,21 @@ class PackedBatch:
 
 @dataclass(frozen=True)
 class _StackWork:
-    """A stack's validated inputs, its (empty) buffers and the chunks to fill them by."""
+    """A stack's validated inputs and its (empty) buffers."""
 
     stack: StackedTable
     layout: KeyLayout
-    features: tuple[FeatureCoordinates, ...]
+    features: tuple[ValidFeature, ...]
     sizes: BufferSizes
     buffers: PackedBuffers
-    chunks: tuple[tuple[int, int], ...]
     sparsecores_per_device: int
 
 
 @dataclass(frozen=True)
 class _ChunkCounts:
-    """What the stats need from one chunk (per-bucket counts, per-table maxima, drops), and the
-    side-car its SparseCores' columns (empty without the side-car)."""
+    """What the stats need from one chunk of the NumPy path (per-bucket counts, per-table maxima,
+    drops; `native.SparseCoreCounts` has the same fields), and the side-car columns of its
+    SparseCores."""
 
     ids_per_bucket: np.ndarray
     unique_per_bucket: np.ndarray
@@ -105,23 +125,19 @@ def _prepare(
     inputs: Mapping[str, RaggedIds],
     topology: Topology,
     with_unique_rows: bool,
+    preset: bool,
 ) -> _StackWork:
     _check_topology(stack, topology)
     missing = [f for f in stack.feature_names if f not in inputs]
     if missing:
         raise ValueError(f"stack {stack.name!r}: no input for feature(s) {missing}")
-    layout = KeyLayout.for_stack(stack, topology)
-    features = tuple(
-        expand_feature(p, stack, layout, inputs[p.feature.name], topology) for p in stack.features
-    )
     sizes = buffer_sizes(stack, topology)
     return _StackWork(
         stack=stack,
-        layout=layout,
-        features=features,
+        layout=KeyLayout.for_stack(stack, topology),
+        features=tuple(validate_feature(p, stack, inputs[p.feature.name], topology) for p in stack.features),
         sizes=sizes,
-        buffers=PackedBuffers.empty(sizes, topology, with_unique_rows),
-        chunks=_chunks(sum(len(f.keys) for f in features), topology),
+        buffers=PackedBuffers.empty(sizes, topology, with_unique_rows, preset),
         sparsecores_per_device=topology.sparsecores_per_device,
     )
 
@@ -130,17 +146,52 @@ def _concatenate(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _run_chunk(work: _StackWork, first: int, end: int, allow_id_dropping: bool) -> _ChunkCounts:
+@dataclass(frozen=True)
+class _Plan:
+    """A stack's work as tasks: the `chunks` fill the buffers (independent of each other); then
+    `side_cars(results)`, given their results in order, raises the first error they report and
+    gives the tasks that build the side-car (none without one)."""
+
+    chunks: list[Callable[[], Any]]
+    side_cars: Callable[[list[Any]], list[Callable[[], None]]]
+
+
+def _numpy_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, num_threads: int) -> _Plan:
+    """The NumPy path: every feature expanded to coordinates, one task per chunk of local
+    SparseCores (raising its errors), then one side-car task per device from the chunks'
+    columns."""
+    features = tuple(expand_feature(f, work.stack, work.layout, topology) for f in work.features)
+    chunks = _chunks(sum(len(f.keys) for f in features), topology)
+
+    def side_cars(results: list[_ChunkCounts]) -> list[Callable[[], None]]:
+        if work.buffers.unique is None:
+            return []
+        columns = [c for chunk in results for c in chunk.columns]
+        s = work.sparsecores_per_device
+        return [
+            functools.partial(write_unique_rows, work.buffers.unique, d, columns[d * s : (d + 1) * s], work.layout)
+            for d in range(topology.local_device_count)
+        ]
+
+    return _Plan(
+        [functools.partial(_run_chunk, work, features, first, end, allow_id_dropping) for first, end in chunks],
+        side_cars,
+    )
+
+
+def _run_chunk(
+    work: _StackWork, features: tuple[FeatureCoordinates, ...], first: int, end: int, allow_id_dropping: bool
+) -> _ChunkCounts:
     """Merge and pack the ids of local SparseCores [first, end) into the stack's buffers."""
-    spans = [(f.sparsecore_starts[first], f.sparsecore_starts[end]) for f in work.features]
+    spans = [(f.sparsecore_starts[first], f.sparsecore_starts[end]) for f in features]
     base = work.layout.base(first)
-    keys = _concatenate([f.keys[lo:hi] for f, (lo, hi) in zip(work.features, spans)])
+    keys = _concatenate([f.keys[lo:hi] for f, (lo, hi) in zip(features, spans)])
     gains = None
-    if any(f.gains is not None for f in work.features):
+    if any(f.gains is not None for f in features):
         gains = _concatenate(
             [
                 np.ones(hi - lo, np.float32) if f.gains is None else f.gains[lo:hi]
-                for f, (lo, hi) in zip(work.features, spans)
+                for f, (lo, hi) in zip(features, spans)
             ]
         )
     layout = work.layout.chunk(first, end)
@@ -148,7 +199,7 @@ def _run_chunk(work: _StackWork, first: int, end: int, allow_id_dropping: bool) 
         work.stack,
         layout,
         keys - base if base else keys,
-        _concatenate([f.samples[lo:hi] for f, (lo, hi) in zip(work.features, spans)]),
+        _concatenate([f.samples[lo:hi] for f, (lo, hi) in zip(features, spans)]),
         gains,
         np.cumsum([0, *(hi - lo for lo, hi in spans)])[:-1],
         allow_id_dropping,
@@ -168,7 +219,66 @@ def _run_chunk(work: _StackWork, first: int, end: int, allow_id_dropping: bool) 
     )
 
 
-def _finish(work: _StackWork, counts: list[_ChunkCounts]) -> PackedBatch:
+def _native_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, num_threads: int) -> _Plan:
+    """The compiled path (`native`): one task per local SparseCore; then, device by device,
+    its errors, and its side-car in ranges of partitions (enough ranges to occupy the
+    threads)."""
+    features = tuple(native.native_feature(f, work.stack) for f in work.features)
+    s, n = work.sparsecores_per_device, work.layout.num_sparsecores
+    calls = [
+        native.device_call(
+            work.stack, features, work.sizes, work.buffers, d, work.layout.row_bits, allow_id_dropping
+        )
+        for d in range(topology.local_device_count)
+    ]
+    ranges = min(n, -(-num_threads // len(calls)))
+    bounds = [i * n // ranges for i in range(ranges + 1)]
+
+    def side_cars(results: list[native.SparseCoreCounts]) -> list[Callable[[], None]]:
+        for d in range(len(calls)):
+            _raise_native_errors(work, topology, results[d * s : (d + 1) * s], d * s)
+        if work.buffers.unique is None:
+            return []
+        return [
+            functools.partial(native.side_car, call, first, end, work.stack)
+            for call in calls
+            for first, end in zip(bounds[:-1], bounds[1:])
+        ]
+
+    return _Plan([functools.partial(native.pack_sparsecore, call, c) for call in calls for c in range(s)], side_cars)
+
+
+def _raise_native_errors(
+    work: _StackWork, topology: Topology, results: list[native.SparseCoreCounts], first: int
+) -> None:
+    """Raise what the NumPy path raises for the device of local SparseCores `first`, ... if
+    their calls report a limit exceeded or a full buffer (limits first)."""
+    statuses = {r.status for r in results}
+    if native.LIMIT_EXCEEDED in statuses:
+        buckets = first * work.layout.num_sparsecores
+        check_limits(
+            work.stack,
+            np.concatenate([r.ids_per_bucket for r in results]),
+            np.concatenate([r.unique_per_bucket for r in results]),
+            first,
+            work.sparsecores_per_device,
+            lambda b: _features_in_bucket(work, topology, buckets + b),
+        )
+    if native.BUFFER_OVERFLOW in statuses:
+        raise_buffer_overflow(work.stack, work.sizes, np.concatenate([r.kept_per_bucket for r in results]), first)
+
+
+def _features_in_bucket(work: _StackWork, topology: Topology, bucket: int) -> list[int]:
+    """Indices of the stack's features with ids in local bucket `bucket` (SparseCore * N +
+    partition over the host's SparseCores): for an error message, so computed the plain way."""
+    return [
+        index
+        for index, feature in enumerate(work.features)
+        if (work.layout.bucket(expand_feature(feature, work.stack, work.layout, topology).keys) == bucket).any()
+    ]
+
+
+def _finish(work: _StackWork, counts: list[Any]) -> PackedBatch:
     """The batch and its stats: per-device maxima over SparseCores, required buffer per
     SparseCore, per-table maxima, drops."""
     stack, layout = work.stack, work.layout
@@ -198,6 +308,37 @@ def _finish(work: _StackWork, counts: list[_ChunkCounts]) -> PackedBatch:
     )
 
 
+Implementation = Literal["auto", "native", "numpy"]
+"""How `preprocess` computes: "native" the compiled path (`sparsecore.preprocess.native`),
+"numpy" the NumPy path, "auto" the compiled path where it builds, else NumPy with a warning.
+Both give the same buffers, stats and errors."""
+
+
+def _native_selected(implementation: Implementation) -> bool:
+    if implementation == "numpy":
+        return False
+    if implementation == "native":
+        error = native.build_error()
+        if error is not None:
+            raise RuntimeError(f"compiled preprocessing is unavailable: {error}")
+        return True
+    if implementation != "auto":
+        raise ValueError(f"implementation must be 'auto', 'native' or 'numpy', got {implementation!r}")
+    return _auto_native()
+
+
+@functools.cache
+def _auto_native() -> bool:
+    error = native.build_error()
+    if error is not None:
+        warnings.warn(
+            f"sparsecore: compiled host preprocessing is unavailable ({error.splitlines()[0]}); "
+            "preprocessing with NumPy (same results, several times slower)",
+            stacklevel=4,
+        )
+    return error is None
+
+
 def preprocess(
     stacks: Sequence[StackedTable],
     inputs: Mapping[str, RaggedIds],
@@ -205,6 +346,7 @@ def preprocess(
     allow_id_dropping: bool = False,
     with_unique_rows: bool = True,
     num_threads: int = 1,
+    implementation: Implementation = "auto",
 ) -> dict[str, PackedBatch]:
     """Preprocess one batch for every stack; `inputs` must hold exactly the stacks' features.
 
@@ -212,50 +354,38 @@ def preprocess(
     counted in `stats.id_drop_count`; without it those cases raise `PartitionLimitError` /
     `BufferOverflowError`, naming the stack, its tables and features, observed and configured
     values. `with_unique_rows` builds the CPU stand-in's side-car (`UniqueRows`); a TPU does not
-    need it. `num_threads` > 1 runs chunks of SparseCores (then devices' side-cars) on that many
-    threads.
+    need it. `num_threads` > 1 runs the work (SparseCores or chunks of them, then side-cars) on
+    that many threads. `implementation`: see `Implementation`.
     """
     known = {name for stack in stacks for name in stack.feature_names}
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise ValueError(f"input for unknown feature(s) {unknown}; the stacks read {sorted(known)}")
-    works = [_prepare(stack, inputs, topology, with_unique_rows) for stack in stacks]
-    results = _map(
-        lambda task: _run_chunk(*task, allow_id_dropping),
-        [(work, first, end) for work in works for first, end in work.chunks],
-        num_threads,
-    )
+    compiled = _native_selected(implementation)
+    make_plan = _native_plan if compiled else _numpy_plan
+    works = [_prepare(stack, inputs, topology, with_unique_rows, preset=not compiled) for stack in stacks]
+    plans = [make_plan(work, topology, allow_id_dropping, num_threads) for work in works]
+    results = _map([task for plan in plans for task in plan.chunks], num_threads)
     per_stack, start = [], 0
-    for work in works:
-        per_stack.append(results[start : start + len(work.chunks)])
-        start += len(work.chunks)
-    _map(_write_side_car, [task for w, r in zip(works, per_stack) for task in _side_car_tasks(w, r)], num_threads)
+    for plan in plans:
+        per_stack.append(results[start : start + len(plan.chunks)])
+        start += len(plan.chunks)
+    _map([task for plan, r in zip(plans, per_stack) for task in plan.side_cars(r)], num_threads)
     return {work.stack.name: _finish(work, counts) for work, counts in zip(works, per_stack)}
 
 
-def _map(fn: Callable[[Any], Any], tasks: list[Any], num_threads: int) -> list[Any]:
-    """`fn` over `tasks`, on up to `num_threads` threads."""
+def _map(tasks: list[Callable[[], Any]], num_threads: int) -> list[Any]:
+    """The results of `tasks`, run on up to `num_threads` threads."""
     if num_threads > 1 and len(tasks) > 1:
-        with ThreadPoolExecutor(min(num_threads, len(tasks))) as pool:
-            return list(pool.map(fn, tasks))
-    return [fn(task) for task in tasks]
+        return list(_executor(num_threads).map(lambda task: task(), tasks))
+    return [task() for task in tasks]
 
 
-def _side_car_tasks(
-    work: _StackWork, counts: list[_ChunkCounts]
-) -> list[tuple[_StackWork, int, list[SparseCoreColumns]]]:
-    """One task per local device of a stack with the side-car: the device and its SparseCores'
-    columns."""
-    if work.buffers.unique is None:
-        return []
-    columns = [c for chunk in counts for c in chunk.columns]
-    s = work.sparsecores_per_device
-    return [(work, d, columns[d * s : (d + 1) * s]) for d in range(len(columns) // s)]
-
-
-def _write_side_car(task: tuple[_StackWork, int, list[SparseCoreColumns]]) -> None:
-    work, device, columns = task
-    write_unique_rows(work.buffers.unique, device, columns, work.layout)
+@functools.cache
+def _executor(num_threads: int) -> ThreadPoolExecutor:
+    """One pool per thread count, kept for the process: starting threads every batch would
+    cost more than small batches' work."""
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="sparsecore-preprocess")
 
 
 def preprocess_stack(
@@ -264,10 +394,14 @@ def preprocess_stack(
     topology: Topology,
     allow_id_dropping: bool = False,
     with_unique_rows: bool = True,
+    implementation: Implementation = "auto",
 ) -> PackedBatch:
     """Preprocess the features of one stack (`inputs` by feature name; extra keys are ignored)."""
-    work = _prepare(stack, inputs, topology, with_unique_rows)
-    results = [_run_chunk(work, first, end, allow_id_dropping) for first, end in work.chunks]
-    for task in _side_car_tasks(work, results):
-        _write_side_car(task)
+    compiled = _native_selected(implementation)
+    make_plan = _native_plan if compiled else _numpy_plan
+    work = _prepare(stack, inputs, topology, with_unique_rows, preset=not compiled)
+    plan = make_plan(work, topology, allow_id_dropping, 1)
+    results = [task() for task in plan.chunks]
+    for task in plan.side_cars(results):
+        task()
     return _finish(work, results)

@@ -1,11 +1,11 @@
 """One feature's ragged ids for this host, validated and expanded to per-id SparseCore coordinates.
 
 `RaggedIds` is the input container (values + lengths or offsets, optional weights; int32 or
-int64 ids, float32 or float64 weights, all read with their real dtype). `expand_feature` checks
-it against its `FeaturePlacement` and returns, for every id in input order, its sort key (see
-`KeyLayout`), the SparseCore-local sample id and the combiner gain, plus where each local
-SparseCore's ids start (they are contiguous). Every check names the feature and the offending
-value.
+int64 ids, float32 or float64 weights, all read with their real dtype). `validate_feature` checks
+it against its `FeaturePlacement` (every check names the feature and the offending value) and
+folds the combiner into per-id gains; `expand_feature` returns, for every id in input order, its
+sort key (see `KeyLayout`), the SparseCore-local sample id and the gain, plus where each local
+SparseCore's ids start (they are contiguous).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sparsecore.preprocess.gains import combiner_gains
 from sparsecore.preprocess.keys import KeyLayout
 from sparsecore.topology import Topology
 
-__all__ = ["RaggedIds", "FeatureCoordinates", "expand_feature"]
+__all__ = ["RaggedIds", "FeatureCoordinates", "ValidFeature", "expand_feature", "validate_feature"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,18 @@ class RaggedIds:
             weights = [np.asarray(w).reshape(-1) for w in weights]
             flat_weights = np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32)
         return cls(values, lengths=lengths, weights=flat_weights)
+
+
+@dataclass(frozen=True)
+class ValidFeature:
+    """One feature's host-local input, checked: `values` (1-D int32 or int64, inside the
+    vocabulary), `lengths` (int64 ids per sample or output row group, one per host sample) and
+    float32 combiner `gains` per id (None: all 1)."""
+
+    placement: FeaturePlacement
+    values: np.ndarray
+    lengths: np.ndarray
+    gains: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -128,9 +140,7 @@ def _lengths(name: str, ids: RaggedIds, num_samples: int) -> np.ndarray:
     return lengths
 
 
-def _check_values(
-    name: str, ids: RaggedIds, vocabulary_size: int, table: str, dtype: type[np.signedinteger]
-) -> np.ndarray:
+def _check_values(name: str, ids: RaggedIds, vocabulary_size: int, table: str) -> np.ndarray:
     values = ids.values
     if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
         raise ValueError(
@@ -142,7 +152,7 @@ def _check_values(
             f"feature {name!r}: id {int(values[bad])} (position {int(bad)}) is outside the "
             f"vocabulary [0, {vocabulary_size}) of table {table!r}"
         )
-    return values.astype(dtype)
+    return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
 
 
 def _check_weights(name: str, ids: RaggedIds) -> np.ndarray | None:
@@ -174,52 +184,66 @@ def _row_coordinates(
     return layout.sparsecore_part(local_sc), sample.astype(np.int32)
 
 
-def _sequence_rows(name: str, lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:
-    """Output row of every id of a sequence feature: sample * M + position in the sample."""
+def _check_sequence_lengths(name: str, lengths: np.ndarray, max_sequence_length: int) -> None:
     longest = int(lengths.max()) if len(lengths) else 0
     if longest > max_sequence_length:
         raise ValueError(
             f"feature {name!r}: sample {int(np.argmax(lengths))} has {longest} ids, more than its "
             f"max_sequence_length {max_sequence_length}"
         )
+
+
+def _sequence_rows(lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:
+    """Output row of every id of a sequence feature: sample * M + position in the sample."""
     starts = np.cumsum(lengths) - lengths
     positions = np.arange(lengths.sum(), dtype=np.int64) - np.repeat(starts, lengths)
     samples = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     return samples * max_sequence_length + positions
 
 
-def expand_feature(
-    placement: FeaturePlacement,
-    stack: StackedTable,
-    layout: KeyLayout,
-    ids: RaggedIds,
-    topology: Topology,
-) -> FeatureCoordinates:
-    """Validate one feature's host-local input and map every id to its SparseCore coordinates.
-
-    The host holds `batch * L / G` samples; local SparseCore c (device c // S) gets the slice of
-    rows [c * q, (c + 1) * q) with q = `samples_per_sparsecore`. Weights are rounded to float32.
-    """
+def validate_feature(
+    placement: FeaturePlacement, stack: StackedTable, ids: RaggedIds, topology: Topology
+) -> ValidFeature:
+    """Check one feature's host-local input (the host holds `batch * L / G` samples) and fold
+    its combiner into per-id gains (weights are rounded to float32)."""
     feature = placement.feature
     name = feature.name
-    n = topology.num_sparsecores
     num_samples = feature.batch_size * topology.local_device_count // topology.global_device_count
     table = stack.tables[placement.table_index]
-    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name, layout.dtype)
+    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
+    if feature.is_sequence:
+        _check_sequence_lengths(name, lengths, feature.max_sequence_length)
+    gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
+    return ValidFeature(placement, values, lengths, gains)
+
+
+def expand_feature(
+    valid: ValidFeature, stack: StackedTable, layout: KeyLayout, topology: Topology
+) -> FeatureCoordinates:
+    """Map every id of a validated feature to its SparseCore coordinates.
+
+    Local SparseCore c (device c // S) gets the slice of output rows [c * q, (c + 1) * q) with
+    q = `samples_per_sparsecore`.
+    """
+    placement = valid.placement
+    feature = placement.feature
+    n = topology.num_sparsecores
+    lengths = valid.lengths
     per_sparsecore = placement.samples_per_sparsecore
     sparsecore_rows = np.arange(topology.local_sparsecores + 1) * per_sparsecore
     if feature.is_sequence:
-        rows = _sequence_rows(name, lengths, feature.max_sequence_length)
+        rows = _sequence_rows(lengths, feature.max_sequence_length)
         row_keys, samples = _row_coordinates(rows, placement, layout)
         sparsecore_starts = np.searchsorted(rows, sparsecore_rows)
     else:
-        row_keys, samples = _row_coordinates(np.arange(num_samples), placement, layout)
+        row_keys, samples = _row_coordinates(np.arange(len(lengths)), placement, layout)
         row_keys, samples = np.repeat(row_keys, lengths), np.repeat(samples, lengths)
         sparsecore_starts = np.concatenate([[0], np.cumsum(lengths)])[sparsecore_rows]
+    values = valid.values.astype(layout.dtype, copy=False)
     partition = (values + placement.col_shift) & (n - 1)
+    table = stack.tables[placement.table_index]
     keys = layout.id_part(partition, (values >> (n.bit_length() - 1)) + table.row_offset_in_shard)
     keys |= row_keys
-    gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
-    return FeatureCoordinates(keys, samples, gains, sparsecore_starts)
+    return FeatureCoordinates(keys, samples, valid.gains, sparsecore_starts)

@@ -33,6 +33,9 @@ from sparsecore.preprocess import (
 from sparsecore.spec import FeatureSpec, TableSpec
 from sparsecore.topology import Topology
 
+# Every test here runs with each host-preprocessing implementation (tests/sparsecore/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_preprocess_implementation")
+
 CONFORMANCE_OK = [
     name
     for name in golden.names("preprocess", status="ok", conformance_case=True)

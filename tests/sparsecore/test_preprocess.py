@@ -23,6 +23,9 @@ from sparsecore.preprocess import (
 from sparsecore.spec import FeatureSpec, TableSpec
 from sparsecore.topology import Topology
 
+# Every test here runs with each host-preprocessing implementation (tests/sparsecore/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_preprocess_implementation")
+
 TOPOLOGY = Topology.cpu(1, 2)
 
 

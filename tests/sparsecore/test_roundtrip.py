@@ -23,6 +23,9 @@ from sparsecore.preprocess import PAD_ID, PartitionLimitError, RaggedIds, pipeli
 from sparsecore.spec import FeatureSpec, TableSpec
 from sparsecore.topology import Topology
 
+# Every test here runs with each host-preprocessing implementation (tests/sparsecore/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_preprocess_implementation")
+
 
 @st.composite
 def scenarios(draw):

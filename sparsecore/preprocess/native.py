@@ -1,0 +1,237 @@
+"""Compiled host preprocessing: one stack's validated features -> its packed buffers.
+
+`csrc/pack_device.cc` computes what `partition.merge_pairs`, `pack.pack_chunk` and
+`unique_rows` compute with NumPy, with the same results bit for bit, in a few passes over a
+SparseCore's ids that stay in the caches instead of a sequence of whole-array NumPy calls:
+`pack_sparsecore` maps one local SparseCore's ids to partitions, sorts each partition by row,
+merges pairs, counts, applies the limits and writes the SparseCore's segment of its device's
+buffers; `side_car` then builds a device's unique-row side-car for a range of partitions from
+the written buffers. Both run without the GIL, so SparseCores and partitions can be preprocessed
+on several threads. Limits and a full buffer come back as a status with the counts; `pipeline`
+raises the NumPy path's exceptions from them.
+
+The library is built on first use (`sparsecore.native`); `build_error` tells whether it can be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sparsecore import native
+from sparsecore.layout import StackedTable
+from sparsecore.preprocess.pack import PAD_ID, BufferSizes, PackedBuffers
+from sparsecore.preprocess.ragged import ValidFeature
+
+__all__ = [
+    "BUFFER_OVERFLOW",
+    "LIMIT_EXCEEDED",
+    "NativeFeature",
+    "SparseCoreCounts",
+    "build_error",
+    "native_feature",
+    "pack_sparsecore",
+    "side_car",
+]
+
+_SOURCE = Path(__file__).parent / "csrc" / "pack_device.cc"
+
+OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW = 0, 1, 2, 3
+"""The C++ functions' statuses."""
+
+_i64 = ctypes.c_int64
+_p = ctypes.c_void_p
+
+
+class _FeatureInput(ctypes.Structure):
+    _fields_ = [
+        ("values", _p), ("values_are_int64", _i64), ("offsets", _p), ("gains", _p),
+        ("num_samples", _i64), ("samples_per_sparsecore", _i64), ("sample_offset", _i64),
+        ("col_shift", _i64), ("row_offset_in_shard", _i64), ("max_sequence_length", _i64),
+    ]
+
+
+class _StackParams(ctypes.Structure):
+    _fields_ = [
+        ("num_sparsecores", _i64), ("sparsecores_per_device", _i64), ("device", _i64),
+        ("row_bits", _i64), ("row_pointers_per_sparsecore", _i64), ("segment", _i64),
+        ("unique_width", _i64), ("max_ids", _i64), ("max_unique", _i64),
+        ("allow_dropping", _i64), ("num_tables", _i64), ("table_row_starts", _p), ("pad_id", _i64),
+    ]
+
+
+class _DeviceBuffers(ctypes.Structure):
+    _fields_ = [
+        ("row_pointers", _p), ("embedding_ids", _p), ("sample_ids", _p), ("gains", _p),
+        ("unique_ids", _p), ("unique_counts", _p), ("entry_unique_index", _p),
+    ]
+
+
+class _SparseCoreCounts(ctypes.Structure):
+    _fields_ = [
+        ("ids_per_bucket", _p), ("unique_per_bucket", _p), ("kept_per_bucket", _p),
+        ("table_ids_max", _p), ("table_unique_max", _p), ("dropped_ids", _i64),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    library = native.library(_SOURCE)
+    library.sparsecore_pack_sparsecore.argtypes = [
+        ctypes.POINTER(_StackParams), ctypes.POINTER(_FeatureInput), _i64, _i64,
+        ctypes.POINTER(_DeviceBuffers), ctypes.POINTER(_SparseCoreCounts),
+    ]
+    library.sparsecore_pack_sparsecore.restype = ctypes.c_int32
+    library.sparsecore_side_car.argtypes = [ctypes.POINTER(_StackParams), _i64, _i64, ctypes.POINTER(_DeviceBuffers)]
+    library.sparsecore_side_car.restype = ctypes.c_int32
+    return library
+
+
+def build_error() -> str | None:
+    """Why the compiled preprocessing cannot be built or loaded here, or None (it is built on
+    the first call)."""
+    try:
+        _library()
+    except (OSError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+@dataclass(frozen=True)
+class SparseCoreCounts:
+    """What one SparseCore's call reports: its status, pairs / columns per partition before
+    dropping and pairs within the limits (`[1, N]`), per-table maxima and raw ids dropped."""
+
+    status: int
+    ids_per_bucket: np.ndarray
+    unique_per_bucket: np.ndarray
+    kept_per_bucket: np.ndarray
+    table_ids_max: tuple[int, ...]
+    table_unique_max: tuple[int, ...]
+    dropped_ids: int
+
+
+@dataclass(frozen=True)
+class NativeFeature:
+    """A validated feature with the arrays the C++ reads kept alive (contiguous, right dtypes)."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+    gains: np.ndarray | None
+    struct: _FeatureInput
+
+
+def native_feature(valid: ValidFeature, stack: StackedTable) -> NativeFeature:
+    """The C++ view of one validated feature of `stack`."""
+    placement = valid.placement
+    values = np.ascontiguousarray(valid.values)
+    offsets = np.zeros(len(valid.lengths) + 1, dtype=np.int64)
+    np.cumsum(valid.lengths, out=offsets[1:])
+    gains = None if valid.gains is None else np.ascontiguousarray(valid.gains, dtype=np.float32)
+    struct = _FeatureInput(
+        values=values.ctypes.data,
+        values_are_int64=int(values.dtype == np.int64),
+        offsets=offsets.ctypes.data,
+        gains=None if gains is None else gains.ctypes.data,
+        num_samples=len(valid.lengths),
+        samples_per_sparsecore=placement.samples_per_sparsecore,
+        sample_offset=placement.sample_offset_in_sparsecore,
+        col_shift=placement.col_shift,
+        row_offset_in_shard=stack.tables[placement.table_index].row_offset_in_shard,
+        max_sequence_length=placement.feature.max_sequence_length if placement.feature.is_sequence else 0,
+    )
+    return NativeFeature(values, offsets, gains, struct)
+
+
+@dataclass(frozen=True)
+class DeviceCall:
+    """The arguments of the C++ calls for one stack and local device (arrays kept alive)."""
+
+    params: _StackParams
+    features: ctypes.Array
+    buffers: _DeviceBuffers
+    keep_alive: tuple[object, ...]
+
+
+def device_call(
+    stack: StackedTable,
+    features: tuple[NativeFeature, ...],
+    sizes: BufferSizes,
+    buffers: PackedBuffers,
+    device: int,
+    row_bits: int,
+    allow_id_dropping: bool,
+) -> DeviceCall:
+    """The C++ view of local device `device`'s rows of `buffers` (preset to pads) and of the
+    stack's features and parameters."""
+    starts = np.array([t.row_offset_in_shard for t in stack.tables] + [1 << row_bits], dtype=np.int64)
+    params = _StackParams(
+        num_sparsecores=stack.num_sparsecores,
+        sparsecores_per_device=sizes.sparsecores_per_device,
+        device=device,
+        row_bits=row_bits,
+        row_pointers_per_sparsecore=sizes.row_pointers_per_sparsecore,
+        segment=sizes.coo_buffer_size_per_sparsecore,
+        unique_width=sizes.unique_rows_per_partition,
+        max_ids=stack.max_ids_per_partition,
+        max_unique=stack.max_unique_ids_per_partition,
+        allow_dropping=int(allow_id_dropping),
+        num_tables=len(stack.tables),
+        table_row_starts=starts.ctypes.data,
+        pad_id=PAD_ID,
+    )
+    unique = buffers.unique
+    views = _DeviceBuffers(
+        row_pointers=buffers.row_pointers[device].ctypes.data,
+        embedding_ids=buffers.embedding_ids[device].ctypes.data,
+        sample_ids=buffers.sample_ids[device].ctypes.data,
+        gains=buffers.gains[device].ctypes.data,
+        unique_ids=None if unique is None else unique.unique_ids[device].ctypes.data,
+        unique_counts=None if unique is None else unique.unique_counts[device].ctypes.data,
+        entry_unique_index=None if unique is None else unique.entry_unique_index[device].ctypes.data,
+    )
+    array = (_FeatureInput * len(features))(*(f.struct for f in features))
+    return DeviceCall(params, array, views, (starts, features, buffers))
+
+
+def pack_sparsecore(call: DeviceCall, sparsecore: int) -> SparseCoreCounts:
+    """Fill SparseCore `sparsecore` (of the call's device) of the buffers; see the module
+    docstring."""
+    n = call.params.num_sparsecores
+    counts = np.zeros((3, 1, n), dtype=np.int32)
+    table_maxima = np.zeros((2, call.params.num_tables), dtype=np.int32)
+    out = _SparseCoreCounts(
+        ids_per_bucket=counts[0].ctypes.data,
+        unique_per_bucket=counts[1].ctypes.data,
+        kept_per_bucket=counts[2].ctypes.data,
+        table_ids_max=table_maxima[0].ctypes.data,
+        table_unique_max=table_maxima[1].ctypes.data,
+    )
+    status = _library().sparsecore_pack_sparsecore(
+        ctypes.byref(call.params), call.features, len(call.features), sparsecore,
+        ctypes.byref(call.buffers), ctypes.byref(out),
+    )
+    return SparseCoreCounts(
+        status=status,
+        ids_per_bucket=counts[0],
+        unique_per_bucket=counts[1],
+        kept_per_bucket=counts[2],
+        table_ids_max=tuple(table_maxima[0].tolist()),
+        table_unique_max=tuple(table_maxima[1].tolist()),
+        dropped_ids=int(out.dropped_ids),
+    )
+
+
+def side_car(call: DeviceCall, first: int, end: int, stack: StackedTable) -> None:
+    """Build the side-car of partitions [first, end) of the call's device from its written
+    buffers (every SparseCore of the device packed without error)."""
+    status = _library().sparsecore_side_car(ctypes.byref(call.params), first, end, ctypes.byref(call.buffers))
+    if status == SIDE_CAR_OVERFLOW:
+        raise RuntimeError(
+            f"stacked table {stack.name!r}, local device {call.params.device}: more distinct rows "
+            f"in a partition than the side-car's {call.params.unique_width} slots (a preprocessing bug)"
+        )

@@ -333,15 +333,31 @@ class SparseCoreEmbedding:
     def lookup_fn(self, tables: Tables, batch: DeviceBatch) -> dict[str, Array]:
         """The traceable lookup of all stacks (what `lookup` jits)."""
         activations = {}
-        for name, geometry in self.geometries.items():
-            stacked = self.lookup_stack(name, tables[name], batch[name])
-            activations.update(self._unstack_activations(self.stacks[name], geometry, stacked))
+        for name in self.stacks:
+            activations.update(self.lookup_stack_features(name, tables[name], batch[name]))
         return activations
 
     def lookup_stack(self, name: str, table: Array, buffers: Mapping[str, Array]) -> Array:
         """The traceable lookup of one stack: its activations `[N*B, D]`, SparseCore-major (the
         B samples of SparseCore 0 first, each feature at its `sample_offset_in_sparsecore`)."""
-        kernel = functools.partial(self._kernels.lookup, geometry=self.geometries[name], axis_name=self.axis)
+        return self._sharded_lookup(name, self._kernels.lookup, table, buffers)
+
+    def lookup_stack_features(self, name: str, table: Array, buffers: Mapping[str, Array]) -> dict[str, Array]:
+        """The traceable lookup of one stack as each of its features' output, from the kernels'
+        per-feature activations (`LocalKernels.lookup_by_feature`): a kernel that writes them
+        itself spares the copy of each feature's block out of the stack's `[N*B, D]`."""
+        blocks = self._sharded_lookup(name, self._kernels.lookup_by_feature, table, buffers)
+        return {
+            placement.feature.name: block.reshape(placement.feature.output_shape)
+            for placement, block in zip(self.stacks[name].features, blocks, strict=True)
+        }
+
+    def _sharded_lookup(
+        self, name: str, kernel: Callable, table: Array, buffers: Mapping[str, Array]
+    ) -> Array | tuple[Array, ...]:
+        """A per-device lookup of one stack (`LocalKernels.lookup`'s arguments) over the mesh: each
+        of its outputs the devices' parts in device order."""
+        kernel = functools.partial(kernel, geometry=self.geometries[name], axis_name=self.axis)
         local = jax.shard_map(
             lambda rp, ids, samples, gains, table: kernel(rp[0], ids[0], samples[0], gains[0], table),
             mesh=self.mesh,
@@ -408,18 +424,6 @@ class SparseCoreEmbedding:
             *(buffers[field] for field in _BUFFERS + _SIDE_CAR), activation_grads, table, state, workspace, hyper
         )
         return table, {**state, STEP: step}, workspace
-
-    @staticmethod
-    def _unstack_activations(stack: StackedTable, geometry: KernelGeometry, stacked: Array) -> dict[str, Array]:
-        """Stack activations `[N*B, D]` (SparseCore-major) -> each feature's output."""
-        per_sparsecore = stacked.reshape(geometry.num_sparsecores, geometry.batch_size_per_sparsecore, -1)
-        out = {}
-        for placement in stack.features:
-            feature = placement.feature
-            start = placement.sample_offset_in_sparsecore
-            rows = per_sparsecore[:, start : start + placement.samples_per_sparsecore, : feature.table.embedding_dim]
-            out[feature.name] = rows.reshape(feature.output_shape)
-        return out
 
     @staticmethod
     def _stack_activation_grads(

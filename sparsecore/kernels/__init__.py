@@ -15,9 +15,11 @@ import functools
 import warnings
 from typing import Callable, Literal, NamedTuple
 
+import jax
+
 from sparsecore.kernels.geometry import KernelGeometry
 from sparsecore.kernels.grad_update import update_local, workspace_rows
-from sparsecore.kernels.lookup import lookup_local
+from sparsecore.kernels.lookup import feature_activations, lookup_local
 
 
 class LocalKernels(NamedTuple):
@@ -30,6 +32,18 @@ class LocalKernels(NamedTuple):
     """Whether the `shard_map` around the lookup type-checks varying mesh axes. Off for the Pallas
     lookup in interpret mode: Pallas's interpreter (jax 0.10.2) evaluates index maps that mix
     per-device scalars with grid indices without the casts that check requires."""
+    lookup_features: Callable | None = None
+    """The lookup as `lookup_by_feature` returns it, for a kernel that writes each feature's
+    activations into an output of its own; None: `lookup_by_feature` slices them out of `lookup`'s."""
+
+    def lookup_by_feature(
+        self, *operands: jax.Array, geometry: KernelGeometry, axis_name: str
+    ) -> tuple[jax.Array, ...]:
+        """One device's lookup (`lookup`'s arguments) as each feature's activations `[S * samples,
+        dim]`: its block of the stack's (`geometry.features`, in that order)."""
+        if self.lookup_features is not None:
+            return self.lookup_features(*operands, geometry=geometry, axis_name=axis_name)
+        return feature_activations(self.lookup(*operands, geometry=geometry, axis_name=axis_name), geometry)
 
 
 LOOKUP_IMPLS = ("platform", "xla", "pallas")

@@ -4,11 +4,13 @@ The kernels read the packed buffers exactly as the host preprocessing writes the
 `sparsecore.preprocess.pack`); this module only names their sizes and the few index maps the
 kernels need. Per device: `row_pointers [S*R]`, `embedding_ids`, `sample_ids`, `gains [C]`, the
 stand-in side-car (`entry_unique_index [C]`, `unique_ids [N, U]`, `unique_counts [N]`), the
-table shard `[S*Vs, D]`, activations `[S*B, D]` (B samples per SparseCore, SparseCore-major).
+table shard `[S*Vs, D]`, activations `[S*B, D]` (B samples per SparseCore, SparseCore-major),
+of which each feature's are a block (`FeatureBlock`).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from sparsecore.layout import StackedTable, round_up
 from sparsecore.preprocess import BufferSizes
@@ -36,6 +38,15 @@ def chunk_rows(embedding_dim: int, budget: int) -> int:
     return max(8, min(MAX_CHUNK, budget // (4 * embedding_dim)) // 8 * 8)
 
 
+class FeatureBlock(NamedTuple):
+    """One feature's activations in a stack's: samples [sample_offset, sample_offset + samples)
+    of every SparseCore's batch (its placement's), their first `dim` columns (its table's dim)."""
+
+    sample_offset: int
+    samples: int
+    dim: int
+
+
 DEFAULT_LANES = 2
 """Independent accumulation loops of the lookup, each over its own windows into its own output
 block: XLA:CPU runs independent operations concurrently, one loop per core of the stand-in host."""
@@ -52,6 +63,7 @@ class KernelGeometry:
     (U) the side-car's distinct rows per (device, partition). `entry_chunk`, `row_chunk` and
     `lanes` (a power of two) tile the stand-in's loops; they do not change what is computed
     (`for_stack` sizes the chunks by bytes: `ENTRY_CHUNK_BYTES`, `ROW_CHUNK_BYTES`).
+    `features` are the stack's features' blocks of the activations, in the stack's order.
     """
 
     name: str
@@ -68,12 +80,13 @@ class KernelGeometry:
     unique_rows_per_partition: int
     entry_chunk: int
     row_chunk: int
+    features: tuple[FeatureBlock, ...]
     lanes: int = DEFAULT_LANES
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "name" and not (isinstance(value, int) and value > 0):
+            if field.name not in ("name", "features") and not (isinstance(value, int) and value > 0):
                 raise ValueError(f"KernelGeometry {self.name!r}: {field.name} must be a positive int, got {value!r}")
         if self.coo_buffer_size % (8 * self.sparsecores_per_device):
             raise ValueError(
@@ -91,6 +104,17 @@ class KernelGeometry:
             raise ValueError(
                 f"KernelGeometry {self.name!r}: {self.row_pointers_per_sparsecore} row pointers per "
                 f"SparseCore cannot hold {self.num_sparsecores} partitions"
+            )
+        blocks, batch = self.features, self.batch_size_per_sparsecore
+        in_order = all(b.sample_offset >= a.sample_offset + a.samples for a, b in zip(blocks, blocks[1:]))
+        inside = all(
+            0 <= b.sample_offset and 0 < b.samples <= batch - b.sample_offset and 0 < b.dim <= self.embedding_dim
+            for b in blocks
+        )
+        if not (in_order and inside):
+            raise ValueError(
+                f"KernelGeometry {self.name!r}: feature blocks {blocks} are not non-empty, in order and "
+                f"disjoint within the batch of {batch} samples and the {self.embedding_dim} columns"
             )
 
     @classmethod
@@ -117,6 +141,10 @@ class KernelGeometry:
             max_ids_per_partition=stack.max_ids_per_partition,
             max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
             unique_rows_per_partition=sizes.unique_rows_per_partition,
+            features=tuple(
+                FeatureBlock(p.sample_offset_in_sparsecore, p.samples_per_sparsecore, p.feature.table.embedding_dim)
+                for p in stack.features
+            ),
             **{
                 "entry_chunk": chunk_rows(stack.embedding_dim, ENTRY_CHUNK_BYTES),
                 "row_chunk": chunk_rows(stack.embedding_dim, ROW_CHUNK_BYTES),

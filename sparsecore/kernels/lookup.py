@@ -68,3 +68,13 @@ def lookup_local(
         lambda entries: pooled_partials(table, entries, geometry, axis_name),
         row_pointers, embedding_ids, sample_ids, gains, geometry, axis_name,
     )
+
+
+def feature_activations(activations: Array, geometry: KernelGeometry) -> tuple[Array, ...]:
+    """One device's activations `[S*B, D]` -> each feature's `[S * samples, dim]`: its block of
+    every local SparseCore's batch (`geometry.features`), SparseCore-major."""
+    per_sparsecore = activations.reshape(geometry.sparsecores_per_device, geometry.batch_size_per_sparsecore, -1)
+    return tuple(
+        per_sparsecore[:, block.sample_offset : block.sample_offset + block.samples, : block.dim].reshape(-1, block.dim)
+        for block in geometry.features
+    )

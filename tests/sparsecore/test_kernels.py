@@ -351,7 +351,7 @@ def test_optimizer_loop_clears_exactly_the_slots_it_applied():
         name="overreach", num_devices=1, sparsecores_per_device=2, row_pointers_per_sparsecore=8,
         coo_buffer_size=16, batch_size_per_sparsecore=4, rows_per_shard=16, embedding_dim=4,
         logical_embedding_dim=4, max_ids_per_partition=8, max_unique_ids_per_partition=8,
-        unique_rows_per_partition=12, entry_chunk=8, row_chunk=8,
+        unique_rows_per_partition=12, entry_chunk=8, row_chunk=8, features=(),
     )
     merged, step = geometry.merged_rows_per_sparsecore, geometry.row_step
     assert (merged, step) == (12, 8)
@@ -371,6 +371,28 @@ def test_optimizer_loop_clears_exactly_the_slots_it_applied():
     )(table, workspace, rows, counts)
     np.testing.assert_allclose(np.asarray(new_table), want, rtol=1e-6)
     assert not np.asarray(new_workspace).any()
+
+
+def test_geometry_holds_each_features_block_and_refuses_bad_ones():
+    from sparsecore.kernels.geometry import FeatureBlock
+
+    topology = Topology.cpu(1, 2)
+    features = [
+        FeatureSpec("f", TableSpec("t", 64, 8), 8),
+        FeatureSpec("g", TableSpec("u", 64, 4), 4, max_sequence_length=3),
+    ]
+    stacks = stack_tables(features, topology, [StackGroup(("t", "u"))])
+    geometry = SparseCoreEmbedding(stacks, topology).geometries[stacks[0].name]
+    assert geometry.features == (FeatureBlock(0, 4, 8), FeatureBlock(4, 6, 4))
+    for bad in [
+        (FeatureBlock(0, 4, 8), FeatureBlock(3, 6, 4)),
+        (FeatureBlock(4, 6, 4), FeatureBlock(0, 4, 8)),
+        (FeatureBlock(0, 4, 9),),
+        (FeatureBlock(5, 6, 4),),
+        (FeatureBlock(0, 0, 8),),
+    ]:
+        with pytest.raises(ValueError, match="feature blocks .* are not non-empty, in order and disjoint"):
+            dataclasses.replace(geometry, features=bad)
 
 
 def test_loop_lanes_must_be_a_power_of_two():

@@ -62,23 +62,22 @@ def local_kernels(platform: str, lookup_impl: Literal["platform", "xla", "pallas
 
         kernels = LocalKernels(tpu.lookup_local, tpu.update_local)
     else:
-        kernels = LocalKernels(_cpu_lookup() if platform == "cpu" else lookup_local, update_local)
+        kernels = _cpu_kernels() if platform == "cpu" else LocalKernels(lookup_local, update_local)
     if lookup_impl == "xla":
-        kernels = kernels._replace(lookup=lookup_local)
+        kernels = LocalKernels(lookup_local, kernels.update)
     elif lookup_impl == "pallas":
         from sparsecore.kernels import pallas_lookup
 
         interpret = platform != "tpu"
-        kernels = kernels._replace(
-            lookup=functools.partial(pallas_lookup.lookup_local, interpret=interpret), lookup_check_vma=not interpret
-        )
+        lookup = functools.partial(pallas_lookup.lookup_local, interpret=interpret)
+        kernels = LocalKernels(lookup, kernels.update, lookup_check_vma=not interpret)
     return kernels
 
 
 @functools.cache
-def _cpu_lookup() -> Callable:
-    """The C++ lookup of the CPU stand-in, built on first use; the XLA stand-in's where the C++
-    cannot be built (with a warning saying why)."""
+def _cpu_kernels() -> LocalKernels:
+    """The CPU stand-in's kernels, with its C++ lookup built on first use; with the XLA
+    stand-in's lookup where the C++ cannot be built (and a warning saying why)."""
     from sparsecore.kernels import cpu, native
 
     try:
@@ -90,8 +89,8 @@ def _cpu_lookup() -> Callable:
             RuntimeWarning,
             stacklevel=3,
         )
-        return lookup_local
-    return cpu.lookup_local
+        return LocalKernels(lookup_local, update_local)
+    return LocalKernels(cpu.lookup_local, update_local, lookup_features=cpu.lookup_features)
 
 
 __all__ = ["KernelGeometry", "LocalKernels", "local_kernels", "workspace_rows"]

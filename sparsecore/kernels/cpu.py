@@ -12,6 +12,10 @@ host's widest instructions. XLA:CPU's best schedule of the same loop (`lookup.po
 pays a dynamic-slice, gather and scatter per chunk of entries, and ran 3-3.5x FBGEMM's time on
 the benchmark's lookup.
 
+On one device `lookup_features` has the kernel write each feature's activations into an output
+of its own: sliced out of the stack's `[S*B, D]` instead, they are strided blocks that XLA copies
+(~4 MB and 0.4 ms a step on the benchmark, a tenth of the lookup).
+
 Selected by `sparsecore.kernels.local_kernels("cpu")` (the stand-in's default; `lookup_impl="xla"`
 selects the XLA loop). Tables are float32, the stand-in's only table dtype.
 """
@@ -22,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsecore.kernels import native
-from sparsecore.kernels.geometry import KernelGeometry
+from sparsecore.kernels.geometry import FeatureBlock, KernelGeometry
+from sparsecore.kernels.lookup import feature_activations
 from sparsecore.kernels.routing import routed_lookup
 
 Array = jax.Array
@@ -56,18 +61,19 @@ def embedding_bag(table: Array, rows: Array, samples: Array, gains: Array, used:
 
 def embedding_bag_segments(
     table: Array, row_pointers: Array, embedding_ids: Array, sample_ids: Array, gains: Array, *,
-    geometry: KernelGeometry,
-) -> Array:
+    geometry: KernelGeometry, blocks: tuple[FeatureBlock, ...],
+) -> tuple[Array, ...]:
     """`embedding_bag` of one device's packed buffers read in place, as a SparseCore reads them:
     window s is SparseCore s's segment, and the slots of partition t in it, from the 8-aligned
     end of partition t - 1 to `row_pointers[t]` (within the first `geometry.padded_window`
     slots), hold rows `t * rows_per_shard + embedding_ids` -- the windows that
-    `routing.route_entries` builds on one device, without building them. `[S, B, D]` float32."""
+    `routing.route_entries` builds on one device, without building them. Per block of the
+    windows' samples (in order, disjoint), those samples' sums: `[S * samples, dim]` float32."""
     if table.ndim != 2 or table.dtype != jnp.float32:
         raise ValueError(f"embedding_bag_segments: the table must be float32 [V, D], got {table.dtype} {table.shape}")
     s = geometry.sparsecores_per_device
-    out = jax.ShapeDtypeStruct((s, geometry.batch_size_per_sparsecore, table.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(native.register(*EMBEDDING_BAG_SEGMENTS), out)(
+    outs = [jax.ShapeDtypeStruct((s, block.samples, block.dim), jnp.float32) for block in blocks]
+    sums = jax.ffi.ffi_call(native.register(*EMBEDDING_BAG_SEGMENTS), outs)(
         table,
         row_pointers.astype(jnp.int32),
         embedding_ids.astype(jnp.int32),
@@ -76,7 +82,10 @@ def embedding_bag_segments(
         partitions=np.int64(geometry.num_sparsecores),
         readable=np.int64(min(geometry.segment_size, geometry.padded_window)),
         rows_per_shard=np.int64(geometry.rows_per_shard),
+        batch=np.int64(geometry.batch_size_per_sparsecore),
+        sample_offsets=np.array([block.sample_offset for block in blocks], np.int64),
     )
+    return tuple(block_sums.reshape(-1, block_sums.shape[-1]) for block_sums in sums)
 
 
 def lookup_local(
@@ -92,8 +101,12 @@ def lookup_local(
     """One device's lookup (the signature of `lookup.lookup_local`). On a mesh of one device
     nothing needs routing: the kernel reads the packed buffers in place."""
     if geometry.num_devices == 1:
-        partials = embedding_bag_segments(table, row_pointers, embedding_ids, sample_ids, gains, geometry=geometry)
-        return partials.reshape(-1, table.shape[1])
+        whole_batch = FeatureBlock(0, geometry.batch_size_per_sparsecore, table.shape[1])
+        (activations,) = embedding_bag_segments(
+            table, row_pointers, embedding_ids, sample_ids, gains, geometry=geometry, blocks=(whole_batch,)
+        )
+        return activations
+
     def owner_partials(entries):
         partials = embedding_bag(
             table, entries.rows, entries.samples, entries.gains, entries.used,
@@ -102,3 +115,26 @@ def lookup_local(
         return partials.reshape(-1, table.shape[1])
 
     return routed_lookup(owner_partials, row_pointers, embedding_ids, sample_ids, gains, geometry, axis_name)
+
+
+def lookup_features(
+    row_pointers: Array,
+    embedding_ids: Array,
+    sample_ids: Array,
+    gains: Array,
+    table: Array,
+    *,
+    geometry: KernelGeometry,
+    axis_name: str,
+) -> tuple[Array, ...]:
+    """One device's activations of each feature, `[S * samples, dim]` (`geometry.features`): on
+    one device written by the kernel into an output per feature, on a mesh sliced out of
+    `lookup_local`'s (whose owners' sums are routed back as the stack's)."""
+    if geometry.num_devices == 1:
+        return embedding_bag_segments(
+            table, row_pointers, embedding_ids, sample_ids, gains, geometry=geometry, blocks=geometry.features
+        )
+    activations = lookup_local(
+        row_pointers, embedding_ids, sample_ids, gains, table, geometry=geometry, axis_name=axis_name
+    )
+    return feature_activations(activations, geometry)

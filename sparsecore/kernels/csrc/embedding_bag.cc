@@ -8,6 +8,11 @@
 //     reads them: window s is SparseCore s's segment, partition t its slots
 //     [round_up(row_pointers[t - 1], 8), row_pointers[t]) (from 0 for t = 0), row
 //     t * rows_per_shard + embedding id.
+// The first writes its output [W, B, D] whole; the second writes one output per block of samples
+// of every window (one feature's activations each, sample_offsets[f] the block's first sample),
+// [W, samples, dim], with the first dim <= D columns of each sum: the lookup returns each
+// feature's activations without slicing them out of the stack's. Samples in no block are not
+// summed.
 //
 // Work is split into (window, sample range) tasks, so no two tasks write one output row and no
 // atomics are needed: one task per window, or where there are fewer windows than threads, each
@@ -73,10 +78,17 @@ struct Segments {
   }
 };
 
-// What every task shares: the table, the output and the split.
+// Where the sums of samples [first, first + samples) of every window go: sample s of window w is
+// row w * samples + s - first of `data`, which gets the first `dim` columns of its sum.
+struct Block {
+  float* data;
+  int64_t first, samples, dim;
+};
+
+// What every task shares: the table, the output blocks (in sample order, disjoint) and the split.
 struct Bag {
   const float* table;
-  float* out;
+  std::vector<Block> blocks;
   int64_t vocabulary, dim, batch, ranges;
 };
 
@@ -86,30 +98,34 @@ struct Term {
   float gain;
 };
 
-// Samples [first, last) of `window`, from their terms: sample s sums terms [starts[s - first],
-// starts[s - first + 1]) in a small accumulator and writes it once. Summing in place entry by
-// entry instead costs a read and a write of an output row per entry (a window's rows do not
-// fit in L1), ~30% slower. Compiled for AVX-512 and AVX2 too (chosen at load time): the sums are
-// then 16 or 8 lanes wide.
+// Samples [first, last) of `window`, from their terms: sample s sums the first columns of terms
+// [starts[s - first], starts[s - first + 1]) that its block takes, in a small accumulator, and
+// writes it once. Summing in place entry by entry instead costs a read and a write of an output
+// row per entry (a window's rows do not fit in L1), ~30% slower. Compiled for AVX-512 and AVX2
+// too (chosen at load time): the sums are then 16 or 8 lanes wide.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void SumTerms(const Bag& bag, int64_t window, int64_t first, int64_t last, const int32_t* starts,
               const Term* terms) {
-  const int64_t total = starts[last - first], dim = bag.dim;
+  const int64_t total = starts[last - first], stride = bag.dim;
   thread_local std::vector<float> sum;
-  sum.resize(dim);
+  sum.resize(stride);
   float* __restrict acc = sum.data();
+  auto block = bag.blocks.begin();
   for (int64_t s = first; s < last; ++s) {
+    while (block != bag.blocks.end() && s >= block->first + block->samples) ++block;
+    if (block == bag.blocks.end() || s < block->first) continue;
+    const int64_t dim = block->dim;
     std::fill(acc, acc + dim, 0.0f);
     for (int64_t k = starts[s - first]; k < starts[s - first + 1]; ++k) {
       if (k + kPrefetchDistance < total) {
-        const char* line = reinterpret_cast<const char*>(bag.table + int64_t{terms[k + kPrefetchDistance].row} * dim);
+        const char* line = reinterpret_cast<const char*>(bag.table + int64_t{terms[k + kPrefetchDistance].row} * stride);
         for (int64_t byte = 0; byte < dim * int64_t{sizeof(float)}; byte += kCacheLine) __builtin_prefetch(line + byte);
       }
       const float gain = terms[k].gain;
-      const float* __restrict source = bag.table + int64_t{terms[k].row} * dim;
+      const float* __restrict source = bag.table + int64_t{terms[k].row} * stride;
       for (int64_t d = 0; d < dim; ++d) acc[d] += gain * source[d];
     }
-    std::memcpy(bag.out + (window * bag.batch + s) * dim, acc, sizeof(float) * dim);
+    std::memcpy(block->data + (window * block->samples + s - block->first) * dim, acc, sizeof(float) * dim);
   }
 }
 
@@ -162,15 +178,15 @@ struct Tasks {
   }
 };
 
-// Every output row of `windows` windows of `batch` samples, on the pool's threads and this one.
+// Every block's rows of `windows` windows of `batch` samples, on the pool's threads and this one.
 template <class Source>
-void Run(ffi::ThreadPool& pool, const float* table, float* out, int64_t vocabulary, int64_t dim, int64_t windows,
-         int64_t batch, const Source& source) {
+void Run(ffi::ThreadPool& pool, const float* table, std::vector<Block> blocks, int64_t vocabulary, int64_t dim,
+         int64_t windows, int64_t batch, const Source& source) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t ranges = std::clamp<int64_t>((threads + windows - 1) / std::max<int64_t>(windows, 1), 1,
                                              std::max<int64_t>(batch, 1));
   auto tasks = std::make_shared<Tasks<Source>>();
-  tasks->bag = Bag{table, out, vocabulary, dim, batch, ranges};
+  tasks->bag = Bag{table, std::move(blocks), vocabulary, dim, batch, ranges};
   tasks->source = source;
   tasks->total = windows * ranges;
   for (int64_t helper = 1; helper < std::min(threads, tasks->total); ++helper) {
@@ -193,27 +209,42 @@ ffi::Error EmbeddingBag(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::
       out_dims[0] != windows || out_dims[2] != dim) {
     return ffi::Error::InvalidArgument("embedding_bag: operand shapes disagree");
   }
-  Run(pool, table.typed_data(), out->typed_data(), table_dims[0], dim, windows, out_dims[1],
-      Windows{rows.typed_data(), samples.typed_data(), gains.typed_data(), used.typed_data(), entry_dims[1]});
+  Run(pool, table.typed_data(), {Block{out->typed_data(), 0, out_dims[1], dim}}, table_dims[0], dim, windows,
+      out_dims[1], Windows{rows.typed_data(), samples.typed_data(), gains.typed_data(), used.typed_data(), entry_dims[1]});
   return ffi::Error::Success();
 }
 
 ffi::Error EmbeddingBagSegments(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> row_pointers,
                                 ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::F32> gains,
-                                int64_t partitions, int64_t readable, int64_t rows_per_shard,
-                                ffi::ResultBuffer<ffi::F32> out) {
-  const auto table_dims = table.dimensions(), out_dims = out->dimensions();
-  if (table_dims.size() != 2 || out_dims.size() != 3) {
-    return ffi::Error::InvalidArgument("embedding_bag_segments: table [V, D], output [S, B, D] expected");
+                                int64_t partitions, int64_t readable, int64_t rows_per_shard, int64_t batch,
+                                ffi::Span<const int64_t> sample_offsets, ffi::RemainingRets outs) {
+  const auto table_dims = table.dimensions();
+  if (table_dims.size() != 2 || outs.size() == 0 || outs.size() != sample_offsets.size()) {
+    return ffi::Error::InvalidArgument(
+        "embedding_bag_segments: table [V, D] and one output per sample offset (at least one) expected");
   }
-  const int64_t sparsecores = out_dims[0], dim = table_dims[1], slots = ids.element_count();
-  const int64_t pointers = row_pointers.element_count();
+  const int64_t dim = table_dims[1], slots = ids.element_count(), pointers = row_pointers.element_count();
+  std::vector<Block> blocks;
+  int64_t sparsecores = 0, end = 0;
+  for (size_t f = 0; f < outs.size(); ++f) {
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(f);
+    if (out.has_error()) return out.error();
+    const auto dims = (*out)->dimensions();
+    if (f == 0 && dims.size() == 3) sparsecores = dims[0];
+    if (dims.size() != 3 || dims[0] != sparsecores || sample_offsets[f] < end || dims[1] < 1 ||
+        dims[1] > batch - sample_offsets[f] || dims[2] < 1 || dims[2] > dim) {
+      return ffi::Error::InvalidArgument(
+          "embedding_bag_segments: outputs [S, samples, dim <= D] expected, their samples in order and disjoint "
+          "within the batch");
+    }
+    end = sample_offsets[f] + dims[1];
+    blocks.push_back(Block{(*out)->typed_data(), sample_offsets[f], dims[1], dims[2]});
+  }
   if (sparsecores < 1 || slots % sparsecores || pointers % sparsecores || pointers / sparsecores < partitions ||
-      samples.element_count() != slots || gains.element_count() != slots || out_dims[2] != dim ||
-      readable > slots / sparsecores) {
+      samples.element_count() != slots || gains.element_count() != slots || readable > slots / sparsecores) {
     return ffi::Error::InvalidArgument("embedding_bag_segments: operand shapes disagree");
   }
-  Run(pool, table.typed_data(), out->typed_data(), table_dims[0], dim, sparsecores, out_dims[1],
+  Run(pool, table.typed_data(), std::move(blocks), table_dims[0], dim, sparsecores, batch,
       Segments{row_pointers.typed_data(), ids.typed_data(), samples.typed_data(), gains.typed_data(), partitions,
                pointers / sparsecores, slots / sparsecores, readable, rows_per_shard});
   return ffi::Error::Success();
@@ -242,4 +273,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseCoreEmbeddingBagSegments, EmbeddingBagSegmen
                                   .Attr<int64_t>("partitions")
                                   .Attr<int64_t>("readable")
                                   .Attr<int64_t>("rows_per_shard")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Attr<int64_t>("batch")
+                                  .Attr<ffi::Span<const int64_t>>("sample_offsets")
+                                  .RemainingRets());

@@ -11,8 +11,8 @@ all 8 tables stacked into one SparseCore stack. Limits come from one warm-up pas
 * the device step of `sparsecore.api.SparseCoreEmbedding` (lookup; lookup + fused update) on
   buffers already on the device;
 * host preprocessing (`sparsecore.preprocess.preprocess` + `put_batch`) of the same batch, on
-  `--threads` threads: for the forward without the unique-row side-car (a lookup does not read
-  it), for training with it;
+  `--threads` threads (default: every core, as an input pipeline would use the host): for the
+  forward without the unique-row side-car (a lookup does not read it), for training with it;
 
 and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, not absolute times,
 are the result: the steps of one configuration are timed interleaved (one repeat of each in turn),
@@ -236,7 +236,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="stand-in devices (JAX CPU devices)")
     parser.add_argument("--sparsecores", type=int, default=4, help="SparseCores per stand-in device")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1, help="threads of host preprocessing")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="threads of host preprocessing (default: every core)"
+    )
     args = parser.parse_args()
     topology = Topology.cpu(args.devices, args.sparsecores)
     print(

@@ -7,7 +7,8 @@ before dropping), then `update_limits` with margin 1.2 -- as a training job sets
 
 Prints median (and best) milliseconds per batch of `sparsecore.preprocess.preprocess` on two
 stand-in topologies, one stack per table or auto-stacked, with and without the unique-row
-side-car, on 1 or 2 threads, and its ratio to baselines measured in the same run on the same ids
+side-car, on 1 or 2 threads, by its compiled and its NumPy implementation (`impl`), and its ratio
+to baselines measured in the same run on the same ids
 (dim 64): FBGEMM's CPU TBE forward + backward with EXACT_ROWWISE_ADAGRAD (TorchRec's fused CPU
 path) and torch.nn.EmbeddingBag forward + backward + sparse SGD. The load average is printed
 because other processes on a 2-core machine move every number.
@@ -113,7 +114,7 @@ def main() -> None:
             print(f"  baseline {name}: {ms:.1f} ms")
         names = list(base)
         print(
-            f"  {'topology':<20}{'stacks':>7}{'unique':>7}{'thr':>4}{'median':>9}{'best':>7}"
+            f"  {'topology':<20}{'stacks':>7}{'unique':>7}{'thr':>4}{'impl':>8}{'median':>9}{'best':>7}"
             f"{'/FBGEMM':>9}{'/torch':>8}"
         )
         for devices in (1, 8):
@@ -124,21 +125,23 @@ def main() -> None:
                 stacks = tuple(update_limits(s, warm[s.name].stats, margin=1.2) for s in stacks)
                 for unique in (True, False):
                     for threads in (1, 2):
-                        median, best = timed(
-                            lambda: preprocess(
-                                stacks,
-                                inputs,
-                                topology,
-                                with_unique_rows=unique,
-                                num_threads=threads,
-                            ),
-                            args.repeats,
-                        )
-                        print(
-                            f"  {f'{devices} dev x 4 SC':<20}{len(stacks):>7}{str(unique):>7}"
-                            f"{threads:>4}{median:>9.2f}{best:>7.2f}"
-                            f"{median / base[names[0]]:>9.2f}{median / base[names[1]]:>8.2f}"
-                        )
+                        for implementation in ("native", "numpy"):
+                            median, best = timed(
+                                lambda: preprocess(
+                                    stacks,
+                                    inputs,
+                                    topology,
+                                    with_unique_rows=unique,
+                                    num_threads=threads,
+                                    implementation=implementation,
+                                ),
+                                args.repeats,
+                            )
+                            print(
+                                f"  {f'{devices} dev x 4 SC':<20}{len(stacks):>7}{str(unique):>7}"
+                                f"{threads:>4}{implementation:>8}{median:>9.2f}{best:>7.2f}"
+                                f"{median / base[names[0]]:>9.2f}{median / base[names[1]]:>8.2f}"
+                            )
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -1,6 +1,6 @@
 """Building sparsecore's C++ sources into shared libraries, once per source and machine.
 
-A source compiles (`-O3`, C++17) into a shared library in a cache directory
+A source compiles (`-O3`, C++17, threads) into a shared library in a cache directory
 (`$SPARSECORE_CACHE_DIR`, else `~/.cache/sparsecore`), named by a hash of the source, the build
 stamp (jaxlib's version for code built against its headers) and the platform, under a file lock
 so that concurrent processes build it once. Users: the stand-in's XLA custom calls
@@ -36,7 +36,7 @@ def _compile(source: Path, include_dirs: Sequence[str], target: Path) -> None:
         raise FileNotFoundError("no C++ compiler (c++ or g++ on PATH, or $CXX)")
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     includes = [f"-I{d}" for d in include_dirs]
-    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", *includes, str(source), "-o", str(partial)]
+    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", *includes, str(source), "-o", str(partial)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-2000:]}")

@@ -1,14 +1,14 @@
 """Compiled host preprocessing: one stack's validated features -> its packed buffers.
 
 `csrc/pack_device.cc` computes what `partition.merge_pairs`, `pack.pack_chunk` and
-`unique_rows` compute with NumPy, with the same results bit for bit, in a few passes over a
+`unique_rows` compute with NumPy, with the same results bit for bit, in a few passes over each
 SparseCore's ids that stay in the caches instead of a sequence of whole-array NumPy calls:
-`pack_sparsecore` maps one local SparseCore's ids to partitions, sorts each partition by row,
-merges pairs, counts, applies the limits and writes the SparseCore's segment of its device's
-buffers; `side_car` then builds a device's unique-row side-car for a range of partitions from
-the written buffers. Both run without the GIL, so SparseCores and partitions can be preprocessed
-on several threads. Limits and a full buffer come back as a status with the counts; `pipeline`
-raises the NumPy path's exceptions from them.
+`pack_device` maps a device's ids to (SparseCore, partition), sorts each partition by row,
+merges pairs, counts, applies the limits and writes the device's buffers, SparseCore by
+SparseCore on its own threads; `side_car` then builds the device's unique-row side-car from the
+written buffers, partition by partition. The threads are C++ threads (Python threads would queue
+for the GIL between calls). Limits and a full buffer come back as statuses with the counts;
+`pipeline` raises the NumPy path's exceptions from them.
 
 The library is built on first use (`sparsecore.native`); `build_error` tells whether it can be.
 """
@@ -30,17 +30,19 @@ from sparsecore.preprocess.ragged import ValidFeature
 __all__ = [
     "BUFFER_OVERFLOW",
     "LIMIT_EXCEEDED",
+    "DeviceCall",
+    "DeviceCounts",
     "NativeFeature",
-    "SparseCoreCounts",
     "build_error",
+    "device_call",
     "native_feature",
-    "pack_sparsecore",
+    "pack_device",
     "side_car",
 ]
 
 _SOURCE = Path(__file__).parent / "csrc" / "pack_device.cc"
 
-OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW = 0, 1, 2, 3
+OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW, OUT_OF_MEMORY = 0, 1, 2, 3, 4
 """The C++ functions' statuses."""
 
 _i64 = ctypes.c_int64
@@ -71,22 +73,22 @@ class _DeviceBuffers(ctypes.Structure):
     ]
 
 
-class _SparseCoreCounts(ctypes.Structure):
+class _DeviceCounts(ctypes.Structure):
     _fields_ = [
         ("ids_per_bucket", _p), ("unique_per_bucket", _p), ("kept_per_bucket", _p),
-        ("table_ids_max", _p), ("table_unique_max", _p), ("dropped_ids", _i64),
+        ("table_ids_max", _p), ("table_unique_max", _p), ("dropped_ids", _p), ("statuses", _p),
     ]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
     library = native.library(_SOURCE)
-    library.sparsecore_pack_sparsecore.argtypes = [
-        ctypes.POINTER(_StackParams), ctypes.POINTER(_FeatureInput), _i64, _i64,
-        ctypes.POINTER(_DeviceBuffers), ctypes.POINTER(_SparseCoreCounts),
+    library.sparsecore_pack_device.argtypes = [
+        ctypes.POINTER(_StackParams), ctypes.POINTER(_FeatureInput), _i64,
+        ctypes.POINTER(_DeviceBuffers), ctypes.POINTER(_DeviceCounts), _i64,
     ]
-    library.sparsecore_pack_sparsecore.restype = ctypes.c_int32
-    library.sparsecore_side_car.argtypes = [ctypes.POINTER(_StackParams), _i64, _i64, ctypes.POINTER(_DeviceBuffers)]
+    library.sparsecore_pack_device.restype = ctypes.c_int32
+    library.sparsecore_side_car.argtypes = [ctypes.POINTER(_StackParams), ctypes.POINTER(_DeviceBuffers), _i64]
     library.sparsecore_side_car.restype = ctypes.c_int32
     return library
 
@@ -102,17 +104,18 @@ def build_error() -> str | None:
 
 
 @dataclass(frozen=True)
-class SparseCoreCounts:
-    """What one SparseCore's call reports: its status, pairs / columns per partition before
-    dropping and pairs within the limits (`[1, N]`), per-table maxima and raw ids dropped."""
+class DeviceCounts:
+    """What one device's call reports, per SparseCore: status, pairs / columns per partition
+    before dropping and pairs within the limits (`[S, N]`), per-table maxima (`[S, T]`) and raw
+    ids dropped (`[S]`)."""
 
-    status: int
+    statuses: np.ndarray
     ids_per_bucket: np.ndarray
     unique_per_bucket: np.ndarray
     kept_per_bucket: np.ndarray
-    table_ids_max: tuple[int, ...]
-    table_unique_max: tuple[int, ...]
-    dropped_ids: int
+    table_ids_max: np.ndarray
+    table_unique_max: np.ndarray
+    dropped_ids: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -198,40 +201,43 @@ def device_call(
     return DeviceCall(params, array, views, (starts, features, buffers))
 
 
-def pack_sparsecore(call: DeviceCall, sparsecore: int) -> SparseCoreCounts:
-    """Fill SparseCore `sparsecore` (of the call's device) of the buffers; see the module
-    docstring."""
-    n = call.params.num_sparsecores
-    counts = np.zeros((3, 1, n), dtype=np.int32)
-    table_maxima = np.zeros((2, call.params.num_tables), dtype=np.int32)
-    out = _SparseCoreCounts(
-        ids_per_bucket=counts[0].ctypes.data,
-        unique_per_bucket=counts[1].ctypes.data,
-        kept_per_bucket=counts[2].ctypes.data,
-        table_ids_max=table_maxima[0].ctypes.data,
-        table_unique_max=table_maxima[1].ctypes.data,
-    )
-    status = _library().sparsecore_pack_sparsecore(
-        ctypes.byref(call.params), call.features, len(call.features), sparsecore,
-        ctypes.byref(call.buffers), ctypes.byref(out),
-    )
-    return SparseCoreCounts(
-        status=status,
-        ids_per_bucket=counts[0],
-        unique_per_bucket=counts[1],
-        kept_per_bucket=counts[2],
-        table_ids_max=tuple(table_maxima[0].tolist()),
-        table_unique_max=tuple(table_maxima[1].tolist()),
-        dropped_ids=int(out.dropped_ids),
-    )
-
-
-def side_car(call: DeviceCall, first: int, end: int, stack: StackedTable) -> None:
-    """Build the side-car of partitions [first, end) of the call's device from its written
-    buffers (every SparseCore of the device packed without error)."""
-    status = _library().sparsecore_side_car(ctypes.byref(call.params), first, end, ctypes.byref(call.buffers))
+def _check(status: int, call: DeviceCall, stack: StackedTable) -> None:
+    where = f"stacked table {stack.name!r}, local device {call.params.device}"
+    if status == OUT_OF_MEMORY:
+        raise MemoryError(f"{where}: host preprocessing ran out of memory")
     if status == SIDE_CAR_OVERFLOW:
         raise RuntimeError(
-            f"stacked table {stack.name!r}, local device {call.params.device}: more distinct rows "
-            f"in a partition than the side-car's {call.params.unique_width} slots (a preprocessing bug)"
+            f"{where}: more distinct rows in a partition than the side-car's "
+            f"{call.params.unique_width} slots (a preprocessing bug)"
         )
+
+
+def pack_device(call: DeviceCall, stack: StackedTable, num_threads: int) -> DeviceCounts:
+    """Fill the call's device's buffers, its SparseCores on up to `num_threads` threads; see
+    the module docstring. Limits and a full buffer are reported in the statuses, not raised."""
+    s, n, t = call.params.sparsecores_per_device, call.params.num_sparsecores, call.params.num_tables
+    buckets = np.empty((3, s, n), dtype=np.int32)
+    tables = np.empty((2, s, t), dtype=np.int32)
+    dropped = np.empty(s, dtype=np.int64)
+    statuses = np.empty(s, dtype=np.int32)
+    out = _DeviceCounts(
+        ids_per_bucket=buckets[0].ctypes.data,
+        unique_per_bucket=buckets[1].ctypes.data,
+        kept_per_bucket=buckets[2].ctypes.data,
+        table_ids_max=tables[0].ctypes.data,
+        table_unique_max=tables[1].ctypes.data,
+        dropped_ids=dropped.ctypes.data,
+        statuses=statuses.ctypes.data,
+    )
+    status = _library().sparsecore_pack_device(
+        ctypes.byref(call.params), call.features, len(call.features), ctypes.byref(call.buffers),
+        ctypes.byref(out), num_threads,
+    )
+    _check(status, call, stack)
+    return DeviceCounts(statuses, buckets[0], buckets[1], buckets[2], tables[0], tables[1], dropped)
+
+
+def side_car(call: DeviceCall, stack: StackedTable, num_threads: int) -> None:
+    """Build the call's device's side-car from its written buffers (every SparseCore of the
+    device packed without error), its partitions on up to `num_threads` threads."""
+    _check(_library().sparsecore_side_car(ctypes.byref(call.params), ctypes.byref(call.buffers), num_threads), call, stack)

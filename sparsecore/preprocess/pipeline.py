@@ -92,8 +92,8 @@ class _StackWork:
 
 @dataclass(frozen=True)
 class _ChunkCounts:
-    """What the stats need from one chunk of the NumPy path (per-bucket counts, per-table maxima,
-    drops; `native.SparseCoreCounts` has the same fields), and the side-car columns of its
+    """What the stats need from one chunk of local SparseCores (per-bucket counts `[SparseCores,
+    N]`, per-table maxima, drops), and, on the NumPy path, the side-car columns of its
     SparseCores."""
 
     ids_per_bucket: np.ndarray
@@ -148,12 +148,14 @@ def _concatenate(arrays: list[np.ndarray]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A stack's work as tasks: the `chunks` fill the buffers (independent of each other); then
-    `side_cars(results)`, given their results in order, raises the first error they report and
-    gives the tasks that build the side-car (none without one)."""
+    """A stack's work as tasks: the `chunks` fill the buffers, independently of each other, on
+    up to `threads` Python threads; then `settle(results)`, given their results in order, raises
+    the first error they report and returns each chunk's counts for the stats and the tasks that
+    build the side-car (none without one)."""
 
     chunks: list[Callable[[], Any]]
-    side_cars: Callable[[list[Any]], list[Callable[[], None]]]
+    threads: int
+    settle: Callable[[list[Any]], tuple[list[_ChunkCounts], list[Callable[[], None]]]]
 
 
 def _numpy_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, num_threads: int) -> _Plan:
@@ -163,19 +165,20 @@ def _numpy_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, n
     features = tuple(expand_feature(f, work.stack, work.layout, topology) for f in work.features)
     chunks = _chunks(sum(len(f.keys) for f in features), topology)
 
-    def side_cars(results: list[_ChunkCounts]) -> list[Callable[[], None]]:
+    def settle(results: list[_ChunkCounts]) -> tuple[list[_ChunkCounts], list[Callable[[], None]]]:
         if work.buffers.unique is None:
-            return []
+            return results, []
         columns = [c for chunk in results for c in chunk.columns]
         s = work.sparsecores_per_device
-        return [
+        return results, [
             functools.partial(write_unique_rows, work.buffers.unique, d, columns[d * s : (d + 1) * s], work.layout)
             for d in range(topology.local_device_count)
         ]
 
     return _Plan(
         [functools.partial(_run_chunk, work, features, first, end, allow_id_dropping) for first, end in chunks],
-        side_cars,
+        num_threads,
+        settle,
     )
 
 
@@ -220,52 +223,55 @@ def _run_chunk(
 
 
 def _native_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, num_threads: int) -> _Plan:
-    """The compiled path (`native`): one task per local SparseCore; then, device by device,
-    its errors, and its side-car in ranges of partitions (enough ranges to occupy the
-    threads)."""
+    """The compiled path (`native`): one task per local device, which packs its SparseCores on
+    `num_threads` C++ threads; then, device by device, its errors, and its side-car."""
     features = tuple(native.native_feature(f, work.stack) for f in work.features)
-    s, n = work.sparsecores_per_device, work.layout.num_sparsecores
     calls = [
         native.device_call(
             work.stack, features, work.sizes, work.buffers, d, work.layout.row_bits, allow_id_dropping
         )
         for d in range(topology.local_device_count)
     ]
-    ranges = min(n, -(-num_threads // len(calls)))
-    bounds = [i * n // ranges for i in range(ranges + 1)]
 
-    def side_cars(results: list[native.SparseCoreCounts]) -> list[Callable[[], None]]:
-        for d in range(len(calls)):
-            _raise_native_errors(work, topology, results[d * s : (d + 1) * s], d * s)
-        if work.buffers.unique is None:
-            return []
-        return [
-            functools.partial(native.side_car, call, first, end, work.stack)
-            for call in calls
-            for first, end in zip(bounds[:-1], bounds[1:])
+    def settle(results: list[native.DeviceCounts]) -> tuple[list[_ChunkCounts], list[Callable[[], None]]]:
+        s = work.sparsecores_per_device
+        for d, counts in enumerate(results):
+            _raise_native_errors(work, topology, counts, d * s)
+        chunks = [
+            _ChunkCounts(
+                c.ids_per_bucket,
+                c.unique_per_bucket,
+                tuple(c.table_ids_max.max(axis=0).tolist()),
+                tuple(c.table_unique_max.max(axis=0).tolist()),
+                int(c.dropped_ids.sum()),
+                [],
+            )
+            for c in results
         ]
+        if work.buffers.unique is None:
+            return chunks, []
+        return chunks, [functools.partial(native.side_car, call, work.stack, num_threads) for call in calls]
 
-    return _Plan([functools.partial(native.pack_sparsecore, call, c) for call in calls for c in range(s)], side_cars)
+    return _Plan(
+        [functools.partial(native.pack_device, call, work.stack, num_threads) for call in calls], 1, settle
+    )
 
 
-def _raise_native_errors(
-    work: _StackWork, topology: Topology, results: list[native.SparseCoreCounts], first: int
-) -> None:
+def _raise_native_errors(work: _StackWork, topology: Topology, counts: native.DeviceCounts, first: int) -> None:
     """Raise what the NumPy path raises for the device of local SparseCores `first`, ... if
-    their calls report a limit exceeded or a full buffer (limits first)."""
-    statuses = {r.status for r in results}
-    if native.LIMIT_EXCEEDED in statuses:
+    its SparseCores report a limit exceeded or a full buffer (limits first)."""
+    if (counts.statuses == native.LIMIT_EXCEEDED).any():
         buckets = first * work.layout.num_sparsecores
         check_limits(
             work.stack,
-            np.concatenate([r.ids_per_bucket for r in results]),
-            np.concatenate([r.unique_per_bucket for r in results]),
+            counts.ids_per_bucket,
+            counts.unique_per_bucket,
             first,
             work.sparsecores_per_device,
             lambda b: _features_in_bucket(work, topology, buckets + b),
         )
-    if native.BUFFER_OVERFLOW in statuses:
-        raise_buffer_overflow(work.stack, work.sizes, np.concatenate([r.kept_per_bucket for r in results]), first)
+    if (counts.statuses == native.BUFFER_OVERFLOW).any():
+        raise_buffer_overflow(work.stack, work.sizes, counts.kept_per_bucket, first)
 
 
 def _features_in_bucket(work: _StackWork, topology: Topology, bucket: int) -> list[int]:
@@ -278,7 +284,7 @@ def _features_in_bucket(work: _StackWork, topology: Topology, bucket: int) -> li
     ]
 
 
-def _finish(work: _StackWork, counts: list[Any]) -> PackedBatch:
+def _finish(work: _StackWork, counts: list[_ChunkCounts]) -> PackedBatch:
     """The batch and its stats: per-device maxima over SparseCores, required buffer per
     SparseCore, per-table maxima, drops."""
     stack, layout = work.stack, work.layout
@@ -355,7 +361,8 @@ def preprocess(
     `BufferOverflowError`, naming the stack, its tables and features, observed and configured
     values. `with_unique_rows` builds the CPU stand-in's side-car (`UniqueRows`); a TPU does not
     need it. `num_threads` > 1 runs the work (SparseCores or chunks of them, then side-cars) on
-    that many threads. `implementation`: see `Implementation`.
+    that many threads (C++ threads on the compiled path). `implementation`: see
+    `Implementation`.
     """
     known = {name for stack in stacks for name in stack.feature_names}
     unknown = sorted(set(inputs) - known)
@@ -365,13 +372,10 @@ def preprocess(
     make_plan = _native_plan if compiled else _numpy_plan
     works = [_prepare(stack, inputs, topology, with_unique_rows, preset=not compiled) for stack in stacks]
     plans = [make_plan(work, topology, allow_id_dropping, num_threads) for work in works]
-    results = _map([task for plan in plans for task in plan.chunks], num_threads)
-    per_stack, start = [], 0
-    for plan in plans:
-        per_stack.append(results[start : start + len(plan.chunks)])
-        start += len(plan.chunks)
-    _map([task for plan, r in zip(plans, per_stack) for task in plan.side_cars(r)], num_threads)
-    return {work.stack.name: _finish(work, counts) for work, counts in zip(works, per_stack)}
+    settled = [plan.settle(_map(plan.chunks, plan.threads)) for plan in plans]
+    for plan, (_, side_cars) in zip(plans, settled):
+        _map(side_cars, plan.threads)
+    return {work.stack.name: _finish(work, counts) for work, (counts, _) in zip(works, settled)}
 
 
 def _map(tasks: list[Callable[[], Any]], num_threads: int) -> list[Any]:
@@ -401,7 +405,7 @@ def preprocess_stack(
     make_plan = _native_plan if compiled else _numpy_plan
     work = _prepare(stack, inputs, topology, with_unique_rows, preset=not compiled)
     plan = make_plan(work, topology, allow_id_dropping, 1)
-    results = [task() for task in plan.chunks]
-    for task in plan.side_cars(results):
+    counts, side_cars = plan.settle([task() for task in plan.chunks])
+    for task in side_cars:
         task()
-    return _finish(work, results)
+    return _finish(work, counts)

@@ -1,9 +1,10 @@
-// Compiled host preprocessing of one stack (see sparsecore/preprocess/native.py): the validated
-// ragged ids of the stack's features in, one local SparseCore's part of its device's packed
-// buffers and counts out (`sparsecore_pack_sparsecore`); then, per range of partitions, the
-// device's unique-row side-car from the written buffers (`sparsecore_side_car`). Same results,
-// bit for bit, as the NumPy path (ragged.expand_feature, partition.merge_pairs, pack.pack_chunk,
-// unique_rows), whose module docstrings state the rules; briefly:
+// Compiled host preprocessing of one stack for one local device (see
+// sparsecore/preprocess/native.py): the validated ragged ids of the stack's features in, the
+// device's packed buffers and counts out, SparseCore by SparseCore (`sparsecore_pack_device`);
+// then the device's unique-row side-car from the written buffers, partition by partition
+// (`sparsecore_side_car`); each on a few threads. Same results, bit for bit, as the NumPy path
+// (ragged.expand_feature, partition.merge_pairs, pack.pack_chunk, unique_rows), whose module
+// docstrings state the rules; briefly:
 //   an id e of a feature goes to bucket (SparseCore of its output row, partition
 //   (e + col_shift) mod N) as row (e >> log2 N) + row_offset_in_shard;
 //   a bucket's ids, stably sorted by row (input order is ascending samples), merge into
@@ -12,15 +13,21 @@
 //   a SparseCore's segment holds its partitions in order, each from the previous one's end
 //   rounded up to 8 (unclamped, then clamped to the segment); row pointer t = the clamped end
 //   of partition t, slots N..R-1 the end of the last partition rounded up to 8 -- so partition
-//   t occupies [round8(row_pointers[t - 1]), row_pointers[t]), as the side-car reads it;
+//   t occupies [round8(row_pointers[t - 1]), row_pointers[t]), as the side-car reads it --
+//   and every other slot is a pad;
 //   the side-car lists the distinct rows of each partition over the device's SparseCores.
 // A SparseCore's ids are sorted by a counting sort over (partition, lowest row digits) and, per
 // bucket, least-significant-digit radix passes over the other row digits (stable), in arrays
-// that fit the caches; per-thread workspaces are reused, so calls allocate nothing once warm.
+// that fit the caches; workspaces are pooled, so warm calls allocate nothing.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -65,17 +72,33 @@ struct DeviceBuffers {
   int32_t* entry_unique_index;  // [S * segment], preset to pads
 };
 
-// What one SparseCore's call counts.
-struct SparseCoreCounts {
-  int32_t* ids_per_bucket;      // [N] pairs before dropping
-  int32_t* unique_per_bucket;   // [N] columns before dropping
-  int32_t* kept_per_bucket;     // [N] pairs within the limits
-  int32_t* table_ids_max;       // [num_tables]
-  int32_t* table_unique_max;    // [num_tables]
-  int64_t dropped_ids;
+// What a device's SparseCores count, SparseCore by SparseCore.
+struct DeviceCounts {
+  int32_t* ids_per_bucket;      // [S, N] pairs before dropping
+  int32_t* unique_per_bucket;   // [S, N] columns before dropping
+  int32_t* kept_per_bucket;     // [S, N] pairs within the limits
+  int32_t* table_ids_max;       // [S, num_tables]
+  int32_t* table_unique_max;    // [S, num_tables]
+  int64_t* dropped_ids;         // [S]
+  int32_t* statuses;            // [S]
 };
 
-enum Status : int32_t { kOk = 0, kLimitExceeded = 1, kBufferOverflow = 2, kSideCarOverflow = 3 };
+// One SparseCore's rows of a DeviceCounts.
+struct SparseCoreCounts {
+  int32_t* ids_per_bucket;
+  int32_t* unique_per_bucket;
+  int32_t* kept_per_bucket;
+  int32_t* table_ids_max;
+  int32_t* table_unique_max;
+};
+
+enum Status : int32_t {
+  kOk = 0,
+  kLimitExceeded = 1,
+  kBufferOverflow = 2,
+  kSideCarOverflow = 3,
+  kOutOfMemory = 4,
+};
 
 // A sorted id or a merged pair: row << 32 | sample, so one comparison tells a new pair.
 uint64_t PairKey(uint32_t row, int32_t sample) { return uint64_t{row} << 32 | static_cast<uint32_t>(sample); }
@@ -143,7 +166,53 @@ struct Workspace {
   }
 };
 
-thread_local Workspace workspace;
+// Workspaces outlive calls (so warm calls allocate nothing), one per concurrent worker.
+class WorkspacePool {
+ public:
+  std::unique_ptr<Workspace> Take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.empty()) return std::make_unique<Workspace>();
+    std::unique_ptr<Workspace> w = std::move(free_.back());
+    free_.pop_back();
+    return w;
+  }
+  void Give(std::unique_ptr<Workspace> w) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(w));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Workspace>> free_;
+};
+
+WorkspacePool& Workspaces() {
+  static WorkspacePool* pool = new WorkspacePool;  // never destroyed: workers may outlive exit
+  return *pool;
+}
+
+// Runs f(i, workspace) for i in [0, count) on up to `threads` threads, the caller's included;
+// returns false if a worker ran out of memory (the results are then incomplete).
+template <class F>
+bool ParallelFor(int64_t count, int64_t threads, F&& f) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  const auto work = [&] {
+    try {
+      std::unique_ptr<Workspace> w = Workspaces().Take();
+      for (int64_t i; (i = next.fetch_add(1)) < count;) f(i, *w);
+      Workspaces().Give(std::move(w));
+    } catch (const std::bad_alloc&) {
+      failed = true;
+      next = count;
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t h = 1; h < std::min(threads, count); ++h) helpers.emplace_back(work);
+  work();
+  for (std::thread& helper : helpers) helper.join();
+  return !failed;
+}
 
 // The row digits of the sort: the lowest `first_bits` are sorted together with the partition,
 // the rest per partition in passes of at most 11 bits (a histogram that stays in L1).
@@ -259,17 +328,18 @@ int64_t MergePairs(Ids ids, int64_t n, Pairs pairs) {
 
 int32_t Round8(int64_t x) { return static_cast<int32_t>((x + 7) & ~int64_t{7}); }
 
-}  // namespace
-
-extern "C" int32_t sparsecore_pack_sparsecore(const StackParams* params, const FeatureInput* features,
-                                              int64_t num_features, int64_t sparsecore, DeviceBuffers* buffers,
-                                              SparseCoreCounts* counts) {
-  const StackParams& p = *params;
+// Packs local SparseCore `sparsecore` of the device; returns its status.
+Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_t num_features, int64_t sparsecore,
+                      DeviceBuffers* buffers, DeviceCounts* device_counts, Workspace& w) {
   const int64_t n = p.num_sparsecores;
   const int64_t partition_bits = __builtin_ctzll(static_cast<uint64_t>(n));
   const RowDigits digits = Digits(p.row_bits, n);
   const uint32_t first_mask = (1u << digits.first_bits) - 1;
-  Workspace& w = workspace;
+  const SparseCoreCounts counts{device_counts->ids_per_bucket + sparsecore * n,
+                                device_counts->unique_per_bucket + sparsecore * n,
+                                device_counts->kept_per_bucket + sparsecore * n,
+                                device_counts->table_ids_max + sparsecore * p.num_tables,
+                                device_counts->table_unique_max + sparsecore * p.num_tables};
 
   // Counting sort of the SparseCore's ids by (partition, first row digit), in input order.
   const int64_t digit_keys = n << digits.first_bits;
@@ -305,8 +375,8 @@ extern "C" int32_t sparsecore_pack_sparsecore(const StackParams* params, const F
   const Ids scratch{Workspace::Sized(w.key_scratch, largest), with_gains ? Workspace::Sized(w.gain_scratch, largest) : nullptr};
   const Pairs spill{Workspace::Sized(w.pair_rows, largest), Workspace::Sized(w.pair_samples, largest),
                     Workspace::Sized(w.pair_gains, largest), Workspace::Sized(w.pair_counts, largest + 1)};
-  std::fill(counts->table_ids_max, counts->table_ids_max + p.num_tables, 0);
-  std::fill(counts->table_unique_max, counts->table_unique_max + p.num_tables, 0);
+  std::fill(counts.table_ids_max, counts.table_ids_max + p.num_tables, 0);
+  std::fill(counts.table_unique_max, counts.table_unique_max + p.num_tables, 0);
   bool over_limit = false, overflow = false;
   int64_t dropped = 0;
   int32_t* row_pointers = buffers->row_pointers + sparsecore * p.row_pointers_per_sparsecore;
@@ -333,13 +403,13 @@ extern "C" int32_t sparsecore_pack_sparsecore(const StackParams* params, const F
           : std::lower_bound(pairs.rows + lo, pairs.rows + num_pairs, p.table_row_starts[k + 1]) - pairs.rows;
       int32_t table_columns = 0;
       for (int64_t i = lo; i < hi; ++i) table_columns += i == lo || pairs.rows[i] != pairs.rows[i - 1];
-      counts->table_ids_max[k] = std::max<int32_t>(counts->table_ids_max[k], static_cast<int32_t>(hi - lo));
-      counts->table_unique_max[k] = std::max(counts->table_unique_max[k], table_columns);
+      counts.table_ids_max[k] = std::max<int32_t>(counts.table_ids_max[k], static_cast<int32_t>(hi - lo));
+      counts.table_unique_max[k] = std::max(counts.table_unique_max[k], table_columns);
       columns += table_columns;
       lo = hi;
     }
-    counts->ids_per_bucket[t] = static_cast<int32_t>(num_pairs);
-    counts->unique_per_bucket[t] = static_cast<int32_t>(columns);
+    counts.ids_per_bucket[t] = static_cast<int32_t>(num_pairs);
+    counts.unique_per_bucket[t] = static_cast<int32_t>(columns);
     const bool bucket_over_limit = num_pairs > p.max_ids || columns > p.max_unique;
     over_limit |= bucket_over_limit;
 
@@ -360,7 +430,7 @@ extern "C" int32_t sparsecore_pack_sparsecore(const StackParams* params, const F
         dropped += keep ? 0 : count;
       }
     }
-    counts->kept_per_bucket[t] = static_cast<int32_t>(kept);
+    counts.kept_per_bucket[t] = static_cast<int32_t>(kept);
 
     // Placement in the segment; a full segment truncates (dropping) or is an error.
     const int64_t end = std::min(next_start + kept, p.segment);
@@ -383,57 +453,73 @@ extern "C" int32_t sparsecore_pack_sparsecore(const StackParams* params, const F
     std::fill(buffers->sample_ids + lo, buffers->sample_ids + hi, static_cast<int32_t>(p.pad_id));
     std::fill(buffers->gains + lo, buffers->gains + hi, std::numeric_limits<float>::quiet_NaN());
   }
-  counts->dropped_ids = dropped;
+  device_counts->dropped_ids[sparsecore] = dropped;
   if (over_limit && !p.allow_dropping) return kLimitExceeded;
   if (overflow && !p.allow_dropping) return kBufferOverflow;
   return kOk;
 }
 
-// The side-car of partitions [first, end) of the device, from its written buffers: per
-// partition, the distinct rows of every SparseCore (ascending in its slots), merged, and each
+// The side-car of partition t of the device, from its written buffers: the distinct rows of every SparseCore (ascending in its slots), merged, and each
 // slot's index among them; pads elsewhere (the side-car comes uninitialised).
-extern "C" int32_t sparsecore_side_car(const StackParams* params, int64_t first, int64_t end,
-                                       DeviceBuffers* buffers) {
-  const StackParams& p = *params;
+Status SideCar(const StackParams& p, int64_t t, DeviceBuffers* buffers, Workspace& w) {
   const int64_t s_count = p.sparsecores_per_device;
-  Workspace& w = workspace;
-  for (int64_t t = first; t < end; ++t) {
-    int64_t distinct = 0;
-    int32_t* merged = Workspace::Sized(w.merged, 0);
-    for (int64_t s = 0; s < s_count; ++s) {
-      const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
-      const int32_t* ids = buffers->embedding_ids + s * p.segment;
-      const int64_t lo = t == 0 ? 0 : Round8(row_pointers[t - 1]), hi = row_pointers[t];
-      int32_t* rows = Workspace::Sized(w.rows, hi - lo);
-      int64_t count = 0;
-      for (int64_t k = lo; k < hi; ++k) {
-        rows[count] = ids[k];
-        count += count == 0 || rows[count - 1] != ids[k];
-      }
-      int32_t* out = Workspace::Sized(w.index, distinct + count);
-      const int64_t total = std::set_union(merged, merged + distinct, rows, rows + count, out) - out;
-      std::swap(w.merged, w.index);
-      merged = w.merged.data();
-      distinct = total;
+  int64_t distinct = 0;
+  int32_t* merged = Workspace::Sized(w.merged, 0);
+  for (int64_t s = 0; s < s_count; ++s) {
+    const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
+    const int32_t* ids = buffers->embedding_ids + s * p.segment;
+    const int64_t lo = t == 0 ? 0 : Round8(row_pointers[t - 1]), hi = row_pointers[t];
+    int32_t* rows = Workspace::Sized(w.rows, hi - lo);
+    int64_t count = 0;
+    for (int64_t k = lo; k < hi; ++k) {
+      rows[count] = ids[k];
+      count += count == 0 || rows[count - 1] != ids[k];
     }
-    if (distinct > p.unique_width) return kSideCarOverflow;
-    const int64_t flat = t * p.unique_width;
-    std::copy(merged, merged + distinct, buffers->unique_ids + flat);
-    std::fill(buffers->unique_ids + flat + distinct, buffers->unique_ids + flat + p.unique_width,
-              static_cast<int32_t>(p.pad_id));
-    buffers->unique_counts[t] = static_cast<int32_t>(distinct);
-    for (int64_t s = 0; s < s_count; ++s) {
-      const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
-      const int32_t* ids = buffers->embedding_ids + s * p.segment;
-      int32_t* index = buffers->entry_unique_index + s * p.segment;
-      int64_t k = 0;
-      for (int64_t slot = t == 0 ? 0 : Round8(row_pointers[t - 1]); slot < row_pointers[t]; ++slot) {
-        while (merged[k] != ids[slot]) ++k;
-        index[slot] = static_cast<int32_t>(flat + k);
-      }
-      const int64_t pads_end = t + 1 < p.num_sparsecores ? Round8(row_pointers[t]) : p.segment;
-      std::fill(index + row_pointers[t], index + pads_end, static_cast<int32_t>(p.pad_id));
+    int32_t* out = Workspace::Sized(w.index, distinct + count);
+    const int64_t total = std::set_union(merged, merged + distinct, rows, rows + count, out) - out;
+    std::swap(w.merged, w.index);
+    merged = w.merged.data();
+    distinct = total;
+  }
+  if (distinct > p.unique_width) return kSideCarOverflow;
+  const int64_t flat = t * p.unique_width;
+  std::copy(merged, merged + distinct, buffers->unique_ids + flat);
+  std::fill(buffers->unique_ids + flat + distinct, buffers->unique_ids + flat + p.unique_width,
+            static_cast<int32_t>(p.pad_id));
+  buffers->unique_counts[t] = static_cast<int32_t>(distinct);
+  for (int64_t s = 0; s < s_count; ++s) {
+    const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
+    const int32_t* ids = buffers->embedding_ids + s * p.segment;
+    int32_t* index = buffers->entry_unique_index + s * p.segment;
+    int64_t k = 0;
+    for (int64_t slot = t == 0 ? 0 : Round8(row_pointers[t - 1]); slot < row_pointers[t]; ++slot) {
+      while (merged[k] != ids[slot]) ++k;
+      index[slot] = static_cast<int32_t>(flat + k);
     }
+    const int64_t pads_end = t + 1 < p.num_sparsecores ? Round8(row_pointers[t]) : p.segment;
+    std::fill(index + row_pointers[t], index + pads_end, static_cast<int32_t>(p.pad_id));
   }
   return kOk;
+}
+
+}  // namespace
+
+// Packs every SparseCore of the device (params->device) on up to `threads` threads; each
+// SparseCore's status goes to counts->statuses. Returns kOutOfMemory if memory ran out, else kOk.
+extern "C" int32_t sparsecore_pack_device(const StackParams* params, const FeatureInput* features,
+                                          int64_t num_features, DeviceBuffers* buffers, DeviceCounts* counts,
+                                          int64_t threads) {
+  const bool done = ParallelFor(params->sparsecores_per_device, threads, [&](int64_t s, Workspace& w) {
+    counts->statuses[s] = PackSparseCore(*params, features, num_features, s, buffers, counts, w);
+  });
+  return done ? kOk : kOutOfMemory;
+}
+
+// Builds the device's side-car from its written buffers on up to `threads` threads.
+extern "C" int32_t sparsecore_side_car(const StackParams* params, DeviceBuffers* buffers, int64_t threads) {
+  std::atomic<int32_t> status{kOk};
+  const bool done = ParallelFor(params->num_sparsecores, threads, [&](int64_t t, Workspace& w) {
+    if (SideCar(*params, t, buffers, w) != kOk) status = kSideCarOverflow;
+  });
+  return done ? status.load() : kOutOfMemory;
 }

@@ -29,6 +29,7 @@ from sparsecore.preprocess.ragged import ValidFeature
 
 __all__ = [
     "BUFFER_OVERFLOW",
+    "ID_OUT_OF_RANGE",
     "LIMIT_EXCEEDED",
     "DeviceCall",
     "DeviceCounts",
@@ -42,7 +43,7 @@ __all__ = [
 
 _SOURCE = Path(__file__).parent / "csrc" / "pack_device.cc"
 
-OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW, OUT_OF_MEMORY = 0, 1, 2, 3, 4
+OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW, OUT_OF_MEMORY, ID_OUT_OF_RANGE = range(6)
 """The C++ functions' statuses."""
 
 _i64 = ctypes.c_int64
@@ -54,6 +55,7 @@ class _FeatureInput(ctypes.Structure):
         ("values", _p), ("values_are_int64", _i64), ("offsets", _p), ("gains", _p),
         ("num_samples", _i64), ("samples_per_sparsecore", _i64), ("sample_offset", _i64),
         ("col_shift", _i64), ("row_offset_in_shard", _i64), ("max_sequence_length", _i64),
+        ("vocabulary_size", _i64),
     ]
 
 
@@ -146,6 +148,7 @@ def native_feature(valid: ValidFeature, stack: StackedTable) -> NativeFeature:
         col_shift=placement.col_shift,
         row_offset_in_shard=stack.tables[placement.table_index].row_offset_in_shard,
         max_sequence_length=placement.feature.max_sequence_length if placement.feature.is_sequence else 0,
+        vocabulary_size=placement.feature.table.vocabulary_size,
     )
     return NativeFeature(values, offsets, gains, struct)
 

@@ -41,6 +41,7 @@ from sparsecore.preprocess.ragged import (
     RaggedIds,
     ValidFeature,
     expand_feature,
+    raise_for_ids_outside_vocabulary,
     validate_feature,
 )
 from sparsecore.preprocess.stats import PartitionStats
@@ -125,8 +126,11 @@ def _prepare(
     inputs: Mapping[str, RaggedIds],
     topology: Topology,
     with_unique_rows: bool,
-    preset: bool,
+    compiled: bool,
 ) -> _StackWork:
+    """Validate the stack's inputs and allocate its buffers; for the `compiled` path, which
+    checks ids against the vocabulary as it reads them and writes every slot, those two steps
+    are left to it."""
     _check_topology(stack, topology)
     missing = [f for f in stack.feature_names if f not in inputs]
     if missing:
@@ -135,9 +139,12 @@ def _prepare(
     return _StackWork(
         stack=stack,
         layout=KeyLayout.for_stack(stack, topology),
-        features=tuple(validate_feature(p, stack, inputs[p.feature.name], topology) for p in stack.features),
+        features=tuple(
+            validate_feature(p, stack, inputs[p.feature.name], topology, check_id_range=not compiled)
+            for p in stack.features
+        ),
         sizes=sizes,
-        buffers=PackedBuffers.empty(sizes, topology, with_unique_rows, preset),
+        buffers=PackedBuffers.empty(sizes, topology, with_unique_rows, preset=not compiled),
         sparsecores_per_device=topology.sparsecores_per_device,
     )
 
@@ -259,7 +266,15 @@ def _native_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, 
 
 def _raise_native_errors(work: _StackWork, topology: Topology, counts: native.DeviceCounts, first: int) -> None:
     """Raise what the NumPy path raises for the device of local SparseCores `first`, ... if
-    its SparseCores report a limit exceeded or a full buffer (limits first)."""
+    its SparseCores report an id outside the vocabulary, a limit exceeded or a full buffer (in
+    that order)."""
+    if (counts.statuses == native.ID_OUT_OF_RANGE).any():
+        for feature in work.features:
+            raise_for_ids_outside_vocabulary(feature)
+        raise RuntimeError(
+            f"stack {work.stack.name!r}: the compiled path saw an id outside the vocabulary that "
+            "the NumPy check does not (a preprocessing bug)"
+        )
     if (counts.statuses == native.LIMIT_EXCEEDED).any():
         buckets = first * work.layout.num_sparsecores
         check_limits(
@@ -317,7 +332,8 @@ def _finish(work: _StackWork, counts: list[_ChunkCounts]) -> PackedBatch:
 Implementation = Literal["auto", "native", "numpy"]
 """How `preprocess` computes: "native" the compiled path (`sparsecore.preprocess.native`),
 "numpy" the NumPy path, "auto" the compiled path where it builds, else NumPy with a warning.
-Both give the same buffers, stats and errors."""
+Both give the same buffers, stats and errors (an input with several faults may have a different
+one named first: the compiled path checks ids against the vocabulary last)."""
 
 
 def _native_selected(implementation: Implementation) -> bool:
@@ -370,7 +386,7 @@ def preprocess(
         raise ValueError(f"input for unknown feature(s) {unknown}; the stacks read {sorted(known)}")
     compiled = _native_selected(implementation)
     make_plan = _native_plan if compiled else _numpy_plan
-    works = [_prepare(stack, inputs, topology, with_unique_rows, preset=not compiled) for stack in stacks]
+    works = [_prepare(stack, inputs, topology, with_unique_rows, compiled) for stack in stacks]
     plans = [make_plan(work, topology, allow_id_dropping, num_threads) for work in works]
     settled = [plan.settle(_map(plan.chunks, plan.threads)) for plan in plans]
     for plan, (_, side_cars) in zip(plans, settled):
@@ -403,7 +419,7 @@ def preprocess_stack(
     """Preprocess the features of one stack (`inputs` by feature name; extra keys are ignored)."""
     compiled = _native_selected(implementation)
     make_plan = _native_plan if compiled else _numpy_plan
-    work = _prepare(stack, inputs, topology, with_unique_rows, preset=not compiled)
+    work = _prepare(stack, inputs, topology, with_unique_rows, compiled)
     plan = make_plan(work, topology, allow_id_dropping, 1)
     counts, side_cars = plan.settle([task() for task in plan.chunks])
     for task in side_cars:

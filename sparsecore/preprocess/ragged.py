@@ -20,7 +20,14 @@ from sparsecore.preprocess.gains import combiner_gains
 from sparsecore.preprocess.keys import KeyLayout
 from sparsecore.topology import Topology
 
-__all__ = ["RaggedIds", "FeatureCoordinates", "ValidFeature", "expand_feature", "validate_feature"]
+__all__ = [
+    "FeatureCoordinates",
+    "RaggedIds",
+    "ValidFeature",
+    "expand_feature",
+    "raise_for_ids_outside_vocabulary",
+    "validate_feature",
+]
 
 
 @dataclass(frozen=True)
@@ -140,13 +147,15 @@ def _lengths(name: str, ids: RaggedIds, num_samples: int) -> np.ndarray:
     return lengths
 
 
-def _check_values(name: str, ids: RaggedIds, vocabulary_size: int, table: str) -> np.ndarray:
+def _check_values(
+    name: str, ids: RaggedIds, vocabulary_size: int, table: str, check_range: bool = True
+) -> np.ndarray:
     values = ids.values
     if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
         raise ValueError(
             f"feature {name!r}: ids must be a 1-D integer array, got {values.dtype}{values.shape}"
         )
-    if len(values) and (values.min() < 0 or values.max() >= vocabulary_size):
+    if check_range and len(values) and (values.min() < 0 or values.max() >= vocabulary_size):
         bad = np.flatnonzero((values < 0) | (values >= vocabulary_size))[0]
         raise ValueError(
             f"feature {name!r}: id {int(values[bad])} (position {int(bad)}) is outside the "
@@ -202,21 +211,35 @@ def _sequence_rows(lengths: np.ndarray, max_sequence_length: int) -> np.ndarray:
 
 
 def validate_feature(
-    placement: FeaturePlacement, stack: StackedTable, ids: RaggedIds, topology: Topology
+    placement: FeaturePlacement,
+    stack: StackedTable,
+    ids: RaggedIds,
+    topology: Topology,
+    check_id_range: bool = True,
 ) -> ValidFeature:
     """Check one feature's host-local input (the host holds `batch * L / G` samples) and fold
-    its combiner into per-id gains (weights are rounded to float32)."""
+    its combiner into per-id gains (weights are rounded to float32). `check_id_range=False`
+    leaves ids outside the vocabulary to the caller (the compiled path checks them as it reads
+    them; `raise_for_ids_outside_vocabulary` then raises this check's error)."""
     feature = placement.feature
     name = feature.name
     num_samples = feature.batch_size * topology.local_device_count // topology.global_device_count
     table = stack.tables[placement.table_index]
-    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name)
+    values = _check_values(name, ids, table.table.vocabulary_size, table.table.name, check_id_range)
     lengths = _lengths(name, ids, num_samples)
     weights = _check_weights(name, ids)
     if feature.is_sequence:
         _check_sequence_lengths(name, lengths, feature.max_sequence_length)
     gains = combiner_gains(name, stack.combiner, lengths, weights, pooled=not feature.is_sequence)
     return ValidFeature(placement, values, lengths, gains)
+
+
+def raise_for_ids_outside_vocabulary(valid: ValidFeature) -> None:
+    """Raise `validate_feature`'s error if a validated feature has an id outside its table's
+    vocabulary."""
+    feature = valid.placement.feature
+    ids = RaggedIds(valid.values, lengths=valid.lengths)
+    _check_values(feature.name, ids, feature.table.vocabulary_size, feature.table.name)
 
 
 def expand_feature(

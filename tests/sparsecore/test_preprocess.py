@@ -102,6 +102,17 @@ def test_bad_input_is_rejected_naming_the_feature(ids, match):
         run(ids)
 
 
+@pytest.mark.parametrize("sequence", [None, 3])
+def test_an_id_outside_the_vocabulary_is_rejected_wherever_its_sample_lands(sequence):
+    # 2 devices x 2 SparseCores: the bad id belongs to the last sample, on device 1, SparseCore 1.
+    topology = Topology.cpu(2, 2)
+    table = TableSpec("t", 64, 8)
+    stacks = stack_tables([FeatureSpec("f", table, 8, max_sequence_length=sequence)], topology)
+    ids = lengths_input([5, 7, 64], [1, 0, 0, 0, 0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"feature 'f': id 64 \(position 2\) is outside the vocabulary"):
+        preprocess(stacks, {"f": ids}, topology)
+
+
 def test_ragged_ids_needs_exactly_one_split():
     with pytest.raises(ValueError, match="exactly one of `lengths` and `offsets`"):
         RaggedIds(np.array([1]))

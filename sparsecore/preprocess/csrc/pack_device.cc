@@ -33,7 +33,7 @@
 namespace {
 
 struct FeatureInput {
-  const void* values;       // int32 or int64 ids, validated to lie in the vocabulary
+  const void* values;       // int32 or int64 ids; one outside [0, vocabulary_size) is an error
   int64_t values_are_int64;
   const int64_t* offsets;   // [num_samples + 1]
   const float* gains;       // per id; null: every gain is 1
@@ -43,6 +43,7 @@ struct FeatureInput {
   int64_t col_shift;
   int64_t row_offset_in_shard;
   int64_t max_sequence_length;     // 0: pooled
+  int64_t vocabulary_size;
 };
 
 struct StackParams {
@@ -98,6 +99,7 @@ enum Status : int32_t {
   kBufferOverflow = 2,
   kSideCarOverflow = 3,
   kOutOfMemory = 4,
+  kIdOutOfRange = 5,
 };
 
 // A sorted id or a merged pair: row << 32 | sample, so one comparison tells a new pair.
@@ -345,15 +347,18 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
   const int64_t digit_keys = n << digits.first_bits;
   int64_t* digit_starts = Workspace::Sized(w.digit_starts, digit_keys + 1);
   std::fill(digit_starts, digit_starts + digit_keys + 1, 0);
-  bool with_gains = false;
+  bool with_gains = false, outside_vocabulary = false;
   for (int64_t f = 0; f < num_features; ++f) {
     const FeatureInput& feature = features[f];
+    const uint64_t vocabulary = static_cast<uint64_t>(feature.vocabulary_size);
     with_gains |= feature.gains != nullptr;
     ForEachIdOf(feature, p, sparsecore, [&](int32_t, int64_t, int64_t e) {
+      outside_vocabulary |= static_cast<uint64_t>(e) >= vocabulary;  // negative ids too
       const uint32_t row = static_cast<uint32_t>((e >> partition_bits) + feature.row_offset_in_shard);
       ++digit_starts[((((e + feature.col_shift) & (n - 1))) << digits.first_bits | (row & first_mask)) + 1];
     });
   }
+  if (outside_vocabulary) return kIdOutOfRange;
   for (int64_t k = 0; k < digit_keys; ++k) digit_starts[k + 1] += digit_starts[k];
   const int64_t total = digit_starts[digit_keys];
   const Ids ids{Workspace::Sized(w.keys, total), with_gains ? Workspace::Sized(w.gains, total) : nullptr};

@@ -172,8 +172,8 @@ def device_call(
     row_bits: int,
     allow_id_dropping: bool,
 ) -> DeviceCall:
-    """The C++ view of local device `device`'s rows of `buffers` (preset to pads) and of the
-    stack's features and parameters."""
+    """The C++ view of local device `device`'s rows of `buffers` (uninitialised: the C++ writes
+    every slot) and of the stack's features and parameters."""
     starts = np.array([t.row_offset_in_shard for t in stack.tables] + [1 << row_bits], dtype=np.int64)
     params = _StackParams(
         num_sparsecores=stack.num_sparsecores,

@@ -2,7 +2,9 @@
 
 * The kernel alone matches `torch.Tensor.index_add_` of weighted table rows, with entries that
   must add nothing (negative rows, rows past the table, samples outside the window, slots past
-  a window's used length) mixed in, over as many windows as threads and fewer.
+  a window's used length) mixed in, over as many windows as threads and fewer, at dims whose
+  sums it holds in registers (8, 16, 40) and at dims it sums at run time (1 and 13, whose rows
+  are narrower than 8 and 16 columns; 136, more columns than registers).
 * The kernel over one device's packed buffers matches the same model of the windows that the
   XLA routing builds from them, and writes each block of samples it is given (a feature's, of
   its table's dim) into its own output.
@@ -54,7 +56,10 @@ def index_add_model(table, rows, samples, gains, used, batch):
 
 @pytest.mark.parametrize(
     "windows, entries, batch, vocabulary, dim",
-    [(1, 5, 3, 7, 8), (3, 40, 6, 50, 16), (8, 300, 33, 97, 40), (2, 64, 1, 5, 1)],
+    [
+        (1, 5, 3, 7, 8), (3, 40, 6, 50, 16), (8, 300, 33, 97, 40), (2, 64, 1, 5, 1), (2, 50, 7, 30, 13),
+        (3, 60, 5, 20, 136),
+    ],
 )
 def test_embedding_bag_matches_torch_index_add(windows, entries, batch, vocabulary, dim):
     rng = np.random.default_rng(entries)

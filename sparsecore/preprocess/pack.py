@@ -110,38 +110,45 @@ class PackedBuffers:
         cls, sizes: BufferSizes, topology: Topology, with_unique_rows: bool, preset: bool = True
     ) -> PackedBuffers:
         """The buffers preset to pads (zero row pointers and counts), or, with `preset` false,
-        uninitialised, for a writer that fills every slot."""
+        uninitialised, for a writer that fills every slot. They share one allocation (see
+        `_aligned_arrays`)."""
         devices, n = topology.local_device_count, topology.num_sparsecores
         coo = (devices, sizes.coo_buffer_size_per_device)
-        # The COO-sized buffers share one allocation: at the benchmark's sizes it crosses the
-        # 4 MiB from which NumPy asks for transparent huge pages, and the first writes into
-        # fresh small pages cost about as much as the compiled preprocessing itself.
-        block = np.empty((4 if with_unique_rows else 3, *coo), np.int32)
-        embedding_ids, sample_ids, gains = block[0], block[1], block[2].view(np.float32)
-        if preset:
-            embedding_ids.fill(PAD_ID)
-            sample_ids.fill(PAD_ID)
-            gains.fill(np.nan)
-
-        def array(shape: tuple[int, ...], value: int) -> np.ndarray:
-            return np.full(shape, value, np.int32) if preset else np.empty(shape, np.int32)
-
+        shapes = [coo, coo, coo, (devices, sizes.row_pointers_size_per_device)]
+        if with_unique_rows:
+            shapes += [coo, (devices, n, sizes.unique_rows_per_partition), (devices, n)]
+        arrays = _aligned_arrays(shapes)
+        embedding_ids, sample_ids, gains, row_pointers = arrays[0], arrays[1], arrays[2].view(np.float32), arrays[3]
         unique = None
         if with_unique_rows:
-            if preset:
-                block[3].fill(PAD_ID)
-            unique = UniqueRows(
-                unique_ids=array((devices, n, sizes.unique_rows_per_partition), PAD_ID),
-                unique_counts=array((devices, n), 0),
-                entry_unique_index=block[3],
-            )
-        return cls(
-            row_pointers=array((devices, sizes.row_pointers_size_per_device), 0),
-            embedding_ids=embedding_ids,
-            sample_ids=sample_ids,
-            gains=gains,
-            unique=unique,
-        )
+            unique = UniqueRows(unique_ids=arrays[5], unique_counts=arrays[6], entry_unique_index=arrays[4])
+        if preset:
+            for array, value in ((embedding_ids, PAD_ID), (sample_ids, PAD_ID), (gains, np.nan), (row_pointers, 0)):
+                array.fill(value)
+            if unique is not None:
+                unique.entry_unique_index.fill(PAD_ID)
+                unique.unique_ids.fill(PAD_ID)
+                unique.unique_counts.fill(0)
+        return cls(row_pointers, embedding_ids, sample_ids, gains, unique)
+
+
+_ALIGNMENT = 64
+
+
+def _aligned_arrays(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Uninitialised int32 arrays of `shapes`, carved from one allocation, each starting on a
+    64-byte boundary. One allocation: at the benchmark's sizes it crosses the 4 MiB from which
+    NumPy asks for transparent huge pages (first writes into fresh small pages cost about as much
+    as the compiled preprocessing itself). Alignment: JAX puts a 64-byte aligned host array on
+    a CPU device without copying it."""
+    sizes = [int(np.prod(shape)) * 4 for shape in shapes]
+    starts = np.cumsum([0, *(-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes)])
+    memory = np.empty(int(starts[-1]) + _ALIGNMENT, np.uint8)
+    base = -memory.ctypes.data % _ALIGNMENT
+    return [
+        memory[base + start : base + start + size].view(np.int32).reshape(shape)
+        for start, size, shape in zip(starts.tolist(), sizes, shapes)
+    ]
 
 
 def raise_buffer_overflow(stack: StackedTable, sizes: BufferSizes, kept: np.ndarray, first: int) -> None:

@@ -66,7 +66,9 @@ class PackedBatch:
 
     `row_pointers [L, S*R] int32`, `embedding_ids`, `sample_ids [L, C] int32`, `gains [L, C]
     float32` follow the hardware buffer semantics (see `sparsecore.preprocess.pack`); `sizes`
-    gives S, R, C; `unique` is the optional stand-in side-car (`UniqueRows`).
+    gives S, R, C; `unique` is the optional stand-in side-car (`UniqueRows`). The arrays are
+    64-byte aligned, so on a CPU device JAX may use them in place rather than copy them: do not
+    write into a batch once it is on a device.
     """
 
     stack: str

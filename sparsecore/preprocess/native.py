@@ -65,6 +65,7 @@ class _StackParams(ctypes.Structure):
         ("row_bits", _i64), ("row_pointers_per_sparsecore", _i64), ("segment", _i64),
         ("unique_width", _i64), ("max_ids", _i64), ("max_unique", _i64),
         ("allow_dropping", _i64), ("num_tables", _i64), ("table_row_starts", _p), ("pad_id", _i64),
+        ("sample_bits", _i64),
     ]
 
 
@@ -189,6 +190,7 @@ def device_call(
         num_tables=len(stack.tables),
         table_row_starts=starts.ctypes.data,
         pad_id=PAD_ID,
+        sample_bits=max(1, (sizes.batch_size_per_sparsecore - 1).bit_length()),
     )
     unique = buffers.unique
     views = _DeviceBuffers(

@@ -60,6 +60,7 @@ struct StackParams {
   int64_t num_tables;
   const int64_t* table_row_starts;  // [num_tables + 1]: each table's first row in a shard, then 2^row_bits
   int64_t pad_id;                   // embedding and sample id of pad slots (gain NaN)
+  int64_t sample_bits;              // bits of a sample id in a SparseCore's batch
 };
 
 // The device's buffers (its rows of the host arrays).
@@ -102,10 +103,17 @@ enum Status : int32_t {
   kIdOutOfRange = 5,
 };
 
-// A sorted id or a merged pair: row << 32 | sample, so one comparison tells a new pair.
-uint64_t PairKey(uint32_t row, int32_t sample) { return uint64_t{row} << 32 | static_cast<uint32_t>(sample); }
-uint32_t RowOf(uint64_t key) { return static_cast<uint32_t>(key >> 32); }
-int32_t SampleOf(uint64_t key) { return static_cast<int32_t>(static_cast<uint32_t>(key)); }
+// A sorted id as one integer, row above sample: one comparison tells a new pair, and the row's
+// digits are the high bits. 32 bits when row and sample fit in 31 (half the memory traffic of
+// the sort), else 64 (rows and samples are below 2^31).
+template <class Key>
+struct KeyFormat {
+  int64_t sample_bits;
+
+  Key Make(uint32_t row, int32_t sample) const { return static_cast<Key>(row) << sample_bits | static_cast<uint32_t>(sample); }
+  uint32_t Row(Key key) const { return static_cast<uint32_t>(key >> sample_bits); }
+  int32_t Sample(Key key) const { return static_cast<int32_t>(key & ((Key{1} << sample_bits) - 1)); }
+};
 
 // Merged pairs, column by column: in the SparseCore's segment when they surely fit, else in
 // the workspace. `counts` (ids merged into each pair) always live in the workspace.
@@ -154,7 +162,8 @@ void ForEachIdOf(const FeatureInput& feature, const StackParams& p, int64_t spar
 
 // Reusable per-thread storage: a call allocates nothing once its sizes have been seen.
 struct Workspace {
-  std::vector<uint64_t> keys, key_scratch;
+  std::vector<uint32_t> keys32, key_scratch32;
+  std::vector<uint64_t> keys64, key_scratch64;
   std::vector<float> gains, gain_scratch;
   std::vector<int32_t> pair_rows, pair_samples, pair_counts;
   std::vector<float> pair_gains;
@@ -167,6 +176,13 @@ struct Workspace {
     return v.data();
   }
 };
+
+template <class Key>
+std::vector<Key>& KeyStorage(Workspace& w, bool scratch);
+template <>
+std::vector<uint32_t>& KeyStorage<uint32_t>(Workspace& w, bool scratch) { return scratch ? w.key_scratch32 : w.keys32; }
+template <>
+std::vector<uint64_t>& KeyStorage<uint64_t>(Workspace& w, bool scratch) { return scratch ? w.key_scratch64 : w.keys64; }
 
 // Workspaces outlive calls (so warm calls allocate nothing), one per concurrent worker.
 class WorkspacePool {
@@ -233,22 +249,25 @@ RowDigits Digits(int64_t row_bits, int64_t partitions) {
 }
 
 // One bucket's ids: keys and, when some feature has gains, their gains.
+template <class Key>
 struct Ids {
-  uint64_t* keys;
+  Key* keys;
   float* gains;  // null: every gain is 1
 };
 
 // Completes the stable sort by row of a bucket's `n` ids, sorted by the first digit: insertion
 // sort when short, else LSD radix passes over the other digits (alternating between `ids` and
 // `scratch`). Returns where the sorted ids are.
-Ids SortByRow(Ids ids, int64_t n, Ids scratch, const RowDigits& digits, std::vector<int32_t>& histogram) {
+template <class Key>
+Ids<Key> SortByRow(Ids<Key> ids, int64_t n, Ids<Key> scratch, KeyFormat<Key> format, const RowDigits& digits,
+                   std::vector<int32_t>& histogram) {
   if (digits.passes == 0) return ids;
   if (n < 64) {
     for (int64_t i = 1; i < n; ++i) {
-      const uint64_t key = ids.keys[i];
+      const Key key = ids.keys[i];
       const float gain = ids.gains ? ids.gains[i] : 1.0f;
       int64_t j = i;
-      for (; j > 0 && RowOf(ids.keys[j - 1]) > RowOf(key); --j) {
+      for (; j > 0 && format.Row(ids.keys[j - 1]) > format.Row(key); --j) {
         ids.keys[j] = ids.keys[j - 1];
         if (ids.gains) ids.gains[j] = ids.gains[j - 1];
       }
@@ -257,15 +276,15 @@ Ids SortByRow(Ids ids, int64_t n, Ids scratch, const RowDigits& digits, std::vec
     }
     return ids;
   }
-  const uint64_t mask = (uint64_t{1} << digits.bits) - 1;
+  const Key mask = (Key{1} << digits.bits) - 1;
   const int64_t radix = int64_t{1} << digits.bits;
   // Four interleaved histograms: hot rows repeat, and one counter bumped by consecutive ids
   // would chain every increment on the last.
   histogram.resize(4 * radix);
   int32_t* h = histogram.data();
-  Ids from = ids, to = scratch;
+  Ids<Key> from = ids, to = scratch;
   for (int64_t pass = 0; pass < digits.passes; ++pass) {
-    const int64_t shift = 32 + digits.first_bits + pass * digits.bits;
+    const int64_t shift = format.sample_bits + digits.first_bits + pass * digits.bits;
     std::fill(h, h + 4 * radix, 0);
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -299,17 +318,18 @@ Ids SortByRow(Ids ids, int64_t n, Ids scratch, const RowDigits& digits, std::vec
 // found branch-free (duplicates come at random: a branch per id would often mispredict); a
 // pair's gain is its count, or its ids' gains summed in order in float32. `pairs.counts` holds
 // n + 1 values.
-int64_t MergePairs(Ids ids, int64_t n, Pairs pairs) {
+template <class Key>
+int64_t MergePairs(Ids<Key> ids, int64_t n, KeyFormat<Key> format, Pairs pairs) {
   int64_t j = -1, first = 0;
-  uint64_t previous = ~uint64_t{0};
+  Key previous = ~Key{0};  // no id's key: a key's top bit is always clear
   for (int64_t i = 0; i < n; ++i) {
-    const uint64_t key = ids.keys[i];
+    const Key key = ids.keys[i];
     const bool new_pair = key != previous;
     j += new_pair;
     first = new_pair ? i : first;
     previous = key;
-    pairs.rows[j] = static_cast<int32_t>(RowOf(key));
-    pairs.samples[j] = SampleOf(key);
+    pairs.rows[j] = static_cast<int32_t>(format.Row(key));
+    pairs.samples[j] = format.Sample(key);
     pairs.counts[j] = static_cast<int32_t>(first);  // the pair's first id, for now
   }
   const int64_t num_pairs = j + 1;
@@ -331,8 +351,10 @@ int64_t MergePairs(Ids ids, int64_t n, Pairs pairs) {
 int32_t Round8(int64_t x) { return static_cast<int32_t>((x + 7) & ~int64_t{7}); }
 
 // Packs local SparseCore `sparsecore` of the device; returns its status.
+template <class Key>
 Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_t num_features, int64_t sparsecore,
                       DeviceBuffers* buffers, DeviceCounts* device_counts, Workspace& w) {
+  const KeyFormat<Key> format{p.sample_bits};
   const int64_t n = p.num_sparsecores;
   const int64_t partition_bits = __builtin_ctzll(static_cast<uint64_t>(n));
   const RowDigits digits = Digits(p.row_bits, n);
@@ -361,7 +383,8 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
   if (outside_vocabulary) return kIdOutOfRange;
   for (int64_t k = 0; k < digit_keys; ++k) digit_starts[k + 1] += digit_starts[k];
   const int64_t total = digit_starts[digit_keys];
-  const Ids ids{Workspace::Sized(w.keys, total), with_gains ? Workspace::Sized(w.gains, total) : nullptr};
+  const Ids<Key> ids{Workspace::Sized(KeyStorage<Key>(w, false), total),
+                     with_gains ? Workspace::Sized(w.gains, total) : nullptr};
   int64_t* next = Workspace::Sized(w.next, digit_keys);
   std::copy(digit_starts, digit_starts + digit_keys, next);
   for (int64_t f = 0; f < num_features; ++f) {
@@ -369,7 +392,7 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
     ForEachIdOf(feature, p, sparsecore, [&](int32_t sample, int64_t i, int64_t e) {
       const uint32_t row = static_cast<uint32_t>((e >> partition_bits) + feature.row_offset_in_shard);
       const int64_t slot = next[(((e + feature.col_shift) & (n - 1)) << digits.first_bits) | (row & first_mask)]++;
-      ids.keys[slot] = PairKey(row, sample);
+      ids.keys[slot] = format.Make(row, sample);
       if (with_gains) ids.gains[slot] = feature.gains ? feature.gains[i] : 1.0f;
     });
   }
@@ -377,7 +400,8 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
   const auto bucket_start = [&](int64_t t) { return digit_starts[t << digits.first_bits]; };
   int64_t largest = 0;
   for (int64_t t = 0; t < n; ++t) largest = std::max(largest, bucket_start(t + 1) - bucket_start(t));
-  const Ids scratch{Workspace::Sized(w.key_scratch, largest), with_gains ? Workspace::Sized(w.gain_scratch, largest) : nullptr};
+  const Ids<Key> scratch{Workspace::Sized(KeyStorage<Key>(w, true), largest),
+                         with_gains ? Workspace::Sized(w.gain_scratch, largest) : nullptr};
   const Pairs spill{Workspace::Sized(w.pair_rows, largest), Workspace::Sized(w.pair_samples, largest),
                     Workspace::Sized(w.pair_gains, largest), Workspace::Sized(w.pair_counts, largest + 1)};
   std::fill(counts.table_ids_max, counts.table_ids_max + p.num_tables, 0);
@@ -396,8 +420,9 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
     const Pairs pairs = in_place ? Pairs{buffers->embedding_ids + base, buffers->sample_ids + base,
                                          buffers->gains + base, spill.counts}
                                  : spill;
-    const Ids bucket{ids.keys + bucket_start(t), with_gains ? ids.gains + bucket_start(t) : nullptr};
-    const int64_t num_pairs = MergePairs(SortByRow(bucket, size, scratch, digits, w.histogram), size, pairs);
+    const Ids<Key> bucket{ids.keys + bucket_start(t), with_gains ? ids.gains + bucket_start(t) : nullptr};
+    const Ids<Key> sorted = SortByRow(bucket, size, scratch, format, digits, w.histogram);
+    const int64_t num_pairs = MergePairs(sorted, size, format, pairs);
 
     // Pairs and columns before dropping, per table of the stack (a table's rows are one range
     // of the shard, so its pairs are one range of the bucket's).
@@ -515,7 +540,9 @@ extern "C" int32_t sparsecore_pack_device(const StackParams* params, const Featu
                                           int64_t num_features, DeviceBuffers* buffers, DeviceCounts* counts,
                                           int64_t threads) {
   const bool done = ParallelFor(params->sparsecores_per_device, threads, [&](int64_t s, Workspace& w) {
-    counts->statuses[s] = PackSparseCore(*params, features, num_features, s, buffers, counts, w);
+    const bool narrow = params->row_bits + params->sample_bits <= 31;  // top bit clear: see MergePairs
+    counts->statuses[s] = narrow ? PackSparseCore<uint32_t>(*params, features, num_features, s, buffers, counts, w)
+                                 : PackSparseCore<uint64_t>(*params, features, num_features, s, buffers, counts, w);
   });
   return done ? kOk : kOutOfMemory;
 }

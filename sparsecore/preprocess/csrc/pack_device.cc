@@ -240,9 +240,12 @@ struct RowDigits {
   int64_t bits;  // per later pass
 };
 
+// The first digit takes up to 10 bits, with (partition, digit) below 2^16 counters: measured on
+// the benchmark's stacks (16 and 19 row bits, 4 partitions), it leaves one later pass of at most
+// 9 bits, 1.2x faster for 19 bits than 8 + 11, no slower for 16.
 RowDigits Digits(int64_t row_bits, int64_t partitions) {
   const int64_t partition_bits = 64 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(partitions - 1, 1)));
-  const int64_t first = std::clamp<int64_t>(14 - partition_bits, 0, std::min<int64_t>(8, row_bits));
+  const int64_t first = std::clamp<int64_t>(16 - partition_bits, 0, std::min<int64_t>(10, row_bits));
   const int64_t rest = row_bits - first;
   const int64_t passes = (rest + 10) / 11;
   return RowDigits{first, passes, passes ? (rest + passes - 1) / passes : 0};

@@ -7,8 +7,9 @@ reaches the same verdict, and only agreed sizes ever reach gloo.
 
 That gather costs a round trip as long as a small all-to-all itself. Repeated exchanges of one
 shape (the pooled embeddings of every training step, a benchmark) need not wait for it: once two
-consecutive all-to-alls of a group agreed on the same sizes, the next one *guesses* those sizes
-and launches the data exchange with them at the same time as the gather. Every rank decides
+consecutive all-to-alls of a group agreed on the same sizes, the next one *guesses* those sizes:
+it launches the data exchange with them, then sends its row, so the rows travel while the data
+does. Every rank decides
 alike -- the decision depends only on agreements that every rank saw -- and every rank sends and
 receives exactly the guessed sizes, on scratch buffers if its own call differs from the guess,
 so gloo always sees matching sizes. When the gathered sizes equal the guess, the data exchange
@@ -17,6 +18,11 @@ the disagreement (outputs then hold unspecified data, as after any failed collec
 the exchange again with the agreed sizes, which overwrites every output row. No result is ever
 taken from a guess that the gathered sizes did not confirm. `torchtpu.metrics()` counts guesses
 confirmed (`dist_all_to_all_guessed`) and missed (`dist_all_to_all_guess_missed`).
+
+Each rank posts the receives of the next gather's rows as soon as it has read the last table, so
+a peer's row is written straight into the table when the peer sends it: gloo's rendezvous (the
+receiver's notice that it is ready, then the bytes) is not waited on during the call. The rows
+have a tag sequence of their own (`pairwise`), so receives posted ahead never meet data.
 
 The rows do not travel inside the guessed data exchange instead of the gather (each region
 followed by its sender's row): that copies the input into a framed send buffer and the received
@@ -38,7 +44,7 @@ import torch.distributed as dist
 from torchtpu import counters
 from torchtpu.distributed import checks
 from torchtpu.distributed.checks import ExchangeSizes
-from torchtpu.distributed.pairwise import Pairwise, PairwiseWork
+from torchtpu.distributed.pairwise import ROWS, Pairwise, PairwiseWork
 from torchtpu.distributed.work import CollectiveError
 
 # `stage(sizes)` stages this rank's buffers for an exchange of `sizes` and returns what starts it.
@@ -52,9 +58,14 @@ class SizeExchange:
         self._pairwise = pairwise
         self._rank = rank
         self._size = size
-        # The gather's table (and its numpy view), reused by the next gather once this one
-        # completed (a gather that failed may still use it: dropped).
-        self._spare: tuple | None = None
+        # Every rank's row (`checks.exchange_values`: 2 * size + 2 numbers) arrives in its row of
+        # this table, into receives posted as soon as the last gather's table was read (a gather
+        # that failed drops them): a peer's row then goes out the moment the peer sends it.
+        self._rows = torch.empty((size, 2 * size + 2), dtype=torch.int64)
+        self._rows_np = self._rows.numpy()
+        self._row_of = list(self._rows)
+        self._own_row = [self._row_of[rank]] * size
+        self._incoming: tuple[int, PairwiseWork] | None = None
         # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
         # agreement before it was the same: the guess for the next call, and this rank's row in it.
         self._table: bytes | None = None
@@ -69,18 +80,13 @@ class SizeExchange:
     def all_to_all(self, collective: str, row: tuple[int, ...], stage: Stage, unit: str, send_name: str,
                    recv_name: str) -> dist.Work:
         """Agree on sizes, then start this rank's part of the exchange, staged by `stage(sizes)`;
-        on a guess, staged before the sizes are gathered and started while they are (see the
-        module docstring), so that nothing but starting gloo happens between the two."""
+        on a guess, started before this rank's row is sent (see the module docstring)."""
         guess = self._guess
         early = None
         try:
-            start = None
             if guess is not None:
-                start = stage(guess) if row == self._guessed_row else self._stand_in(guess)
-            pending = self._gather(collective, row)
-            if start is not None:
-                early = start()
-            table = self._gathered(collective, pending)
+                early = (stage(guess) if row == self._guessed_row else self._stand_in(guess))()
+            table = self._gathered(collective, self._gather(collective, row))
             gathered = table.tobytes()
             repeated = gathered == self._table
             confirmed = guess is not None and repeated
@@ -100,29 +106,32 @@ class SizeExchange:
             early.wait()
         return stage(sizes)()
 
-    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[tuple, PairwiseWork]:
-        """Start gathering every rank's `row` into a table: each rank sends every other rank its
-        row. The table is the spare one when its row length fits, else new."""
-        spare, self._spare = self._spare, None
-        if spare is None or spare[1].shape[1] != len(row):
-            table = torch.empty((self._size, len(row)), dtype=torch.int64)
-            spare = (table, table.numpy())
-        table = spare[0]
-        spare[1][self._rank] = row
+    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[PairwiseWork, PairwiseWork]:
+        """Start gathering every rank's `row` into the table: each rank sends every other rank
+        its row, into the receives posted for it."""
         try:
-            return spare, self._pairwise.exchange(list(table), [table[self._rank]] * self._size)
+            tag, incoming = self._incoming or self._post()
+            self._incoming = None
+            self._rows_np[self._rank] = row
+            return incoming, self._pairwise.send(self._own_row, tag)
         except RuntimeError as error:
             raise self._failed(collective, error) from error
 
-    def _gathered(self, collective: str, pending: tuple[tuple, PairwiseWork]) -> np.ndarray:
-        """The gathered table, valid until the next gather (which reuses its memory)."""
-        buffers, work = pending
+    def _gathered(self, collective: str, pending: tuple[PairwiseWork, PairwiseWork]) -> np.ndarray:
+        """The gathered table (a copy: the next gather's receives are posted into the table)."""
         try:
-            work.wait()
+            for work in pending:
+                work.wait()
+            table = self._rows_np.copy()
+            self._incoming = self._post()
         except RuntimeError as error:
             raise self._failed(collective, error) from error
-        self._spare = buffers
-        return buffers[1]
+        return table
+
+    def _post(self) -> tuple[int, PairwiseWork]:
+        """Post the receives of the next gather's rows: its tag, and the receives."""
+        tag = self._pairwise.tag(ROWS)
+        return tag, self._pairwise.receive(self._row_of, tag)
 
     def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")

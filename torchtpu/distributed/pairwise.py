@@ -10,8 +10,11 @@ about the cost of the data alone (the same gloo transport that gloo's own all-to
 
 Messages are matched by tag. Every rank makes its exchanges in the same order (as it makes its
 collectives), so numbering them gives every exchange the same tag on every rank, and messages of
-two exchanges in flight never meet. The group is the exchanges' own, so no user point-to-point
-message (whose tag may be any number) meets them either.
+two exchanges in flight never meet. Tags come in two sequences, each numbered on its own: one for
+the exchanges of data, one for the rows of sizes, whose receives are posted one agreement ahead
+(`exchange`) -- however data and rows interleave, each message meets its own receive. The group
+is the exchanges' own, so no user point-to-point message (whose tag may be any number) meets
+them either.
 
 Gloo marks a point-to-point message complete only once it was waited on, so an exchange that is
 never waited on stays in flight; `HostTransport` keeps its buffers until it is.
@@ -19,6 +22,7 @@ never waited on stays in flight; `HostTransport` keeps its buffers until it is.
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -27,7 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_TAGS = 1 << 31  # gloo's tags are C ints
+_TAGS = 1 << 30  # tags per sequence: gloo's tags are C ints
+
+DATA, ROWS = 0, 1  # the tag sequences
 
 
 class PairwiseWork(dist.Work):
@@ -58,7 +64,26 @@ class Pairwise:
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pairwise/", store), rank, size, timeout)
         self._rank = rank
         self._size = size
-        self._next_tag = 0
+        self._next_tags = [0, 0]
+
+    def tag(self, sequence: int) -> int:
+        """The next tag of `sequence` (`DATA` or `ROWS`)."""
+        number = self._next_tags[sequence]
+        self._next_tags[sequence] = (number + 1) % _TAGS
+        return sequence * _TAGS + number
+
+    def send(self, inputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
+        """Send `inputs[j]` (not empty) to every other rank j."""
+        return PairwiseWork([self._gloo.send([inputs[j]], j, tag) for j in self._peers])
+
+    def receive(self, outputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
+        """Receive `outputs[i]` (not empty) from every other rank i."""
+        return PairwiseWork([self._gloo.recv([outputs[i]], i, tag) for i in self._peers])
+
+    @functools.cached_property
+    def _peers(self) -> list[int]:
+        """The other ranks, starting after this one (so that rank 0 is not everyone's first)."""
+        return [(self._rank + step) % self._size for step in range(1, self._size)]
 
     def exchange(self, outputs: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]) -> PairwiseWork:
         """Send `inputs[j]` to rank j and receive `outputs[i]` from rank i, for every other rank;
@@ -68,8 +93,7 @@ class Pairwise:
         each receiving from each peer exactly as many bytes as that peer sends it (an empty
         region sends or receives nothing) -- the callers make sure of it: gloo aborts or waits
         forever otherwise. Empty regions send no message."""
-        tag = self._next_tag
-        self._next_tag = (tag + 1) % _TAGS
+        tag = self.tag(DATA)
         messages = []
         # Every rank starts with a different peer (as gloo's own all-to-all does), so rank 0
         # is not everyone's first; and posts its send before its receive: at world size 2, a

@@ -8,6 +8,7 @@ same error, so a mismatch can neither hang a rank nor deliver data to the wrong 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -153,8 +154,15 @@ class ExchangeSizes:
     dtype: torch.dtype
 
     def splits(self, rank: int) -> tuple[list[int], list[int]]:
-        """`rank`'s (input, output) split sizes."""
-        return self.send[rank].tolist(), self.send[:, rank].tolist()
+        """`rank`'s (input, output) split sizes (computed once: a guess serves many calls)."""
+        splits = self._splits.get(rank)
+        if splits is None:
+            splits = self._splits[rank] = (self.send[rank].tolist(), self.send[:, rank].tolist())
+        return splits
+
+    @functools.cached_property
+    def _splits(self) -> dict[int, tuple[list[int], list[int]]]:
+        return {}
 
 
 def check_exchange_table(collective: str, table: np.ndarray, unit: str, send_name: str, recv_name: str) -> ExchangeSizes:

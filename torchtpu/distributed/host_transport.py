@@ -215,6 +215,21 @@ def _borrowed_at(address: int, dtype: torch.dtype, shape: tuple[int, ...]) -> to
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _regions(host: torch.Tensor, splits: list[int]) -> Sequence[torch.Tensor]:
+    """`host` (a `_borrowed` view, or empty) split along dim 0 by `splits`: the views are cached
+    by address with the view they split, as repeated calls lend the same memory (a split made
+    per call costs ~10 us)."""
+    if not host.numel():
+        return host.split(splits)
+    return _regions_at(host.data_ptr(), host.dtype, tuple(host.shape), tuple(splits))
+
+
+@functools.lru_cache(maxsize=256)
+def _regions_at(address: int, dtype: torch.dtype, shape: tuple[int, ...],
+                splits: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return _borrowed_at(address, dtype, shape).split(splits)
+
+
 class _Staging:
     """The host buffers of one collective, and which tpu output each result goes to.
 
@@ -347,8 +362,8 @@ class HostTransport:
         """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
         s = _Staging(self._buffers)
         send, recv = sizes.splits(self._rank)
-        host_in = s.read(input).split(send)
-        host_out = s.receive(output).split(recv)
+        host_in = _regions(s.read(input), send)
+        host_out = _regions(s.receive(output), recv)
 
         def start() -> TpuWork:
             return self._launch("all_to_all_single", s, self._pairwise.exchange(host_out, host_in), [output])

@@ -59,8 +59,8 @@ class SizeExchange:
         self._rank = rank
         self._size = size
         # Every rank's row (`checks.exchange_values`: 2 * size + 2 numbers) arrives in its row of
-        # this table, into receives posted as soon as the last gather's table was read (a gather
-        # that failed drops them): a peer's row then goes out the moment the peer sends it.
+        # this table, into receives posted as soon as the last gather's table was read (after a
+        # failed gather, by the next one): a peer's row then goes out the moment it is sent.
         self._rows = torch.empty((size, 2 * size + 2), dtype=torch.int64)
         self._rows_np = self._rows.numpy()
         self._row_of = list(self._rows)

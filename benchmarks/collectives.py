@@ -11,8 +11,8 @@ every block starts and ends with the same gloo barrier. Reported: the median blo
 as bus bandwidth, and the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
 (n-1)/n. The goal is tpu_dist >= 0.9x gloo: the backend itself should add next to nothing to
-the transport it runs on. (One thing it adds on purpose: before an all-to-all, tpu_dist agrees on
-every rank's sizes -- a small gloo all-gather, overlapped with the data once sizes repeat -- so
+the transport it runs on. (One thing it adds on purpose: in every all-to-all, tpu_dist sends each
+peer its row of sizes -- a small point-to-point message, beside the data once sizes repeat -- so
 that mismatched splits raise instead of hanging; gloo on CPU tensors checks nothing.)
 """
 

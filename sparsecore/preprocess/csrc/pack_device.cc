@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -209,8 +210,9 @@ WorkspacePool& Workspaces() {
   return *pool;
 }
 
-// Runs f(i, workspace) for i in [0, count) on up to `threads` threads, the caller's included;
-// returns false if a worker ran out of memory (the results are then incomplete).
+// Runs f(i, workspace) for i in [0, count) on up to `threads` threads, the caller's included
+// (fewer if the system has no more); returns false if a worker ran out of memory (the results
+// are then incomplete).
 template <class F>
 bool ParallelFor(int64_t count, int64_t threads, F&& f) {
   std::atomic<int64_t> next{0};
@@ -226,7 +228,11 @@ bool ParallelFor(int64_t count, int64_t threads, F&& f) {
     }
   };
   std::vector<std::thread> helpers;
-  for (int64_t h = 1; h < std::min(threads, count); ++h) helpers.emplace_back(work);
+  try {
+    for (int64_t h = 1; h < std::min(threads, count); ++h) helpers.emplace_back(work);
+  } catch (const std::system_error&) {
+    // No more threads to be had: the ones started and the caller do the work.
+  }
   work();
   for (std::thread& helper : helpers) helper.join();
   return !failed;

@@ -3,8 +3,8 @@
 For each stack: validate every feature and fold its combiner into gains (`ragged`, `gains`),
 then fill the buffers by one of two paths that give the same results:
 
-* compiled (`native`): one call per local device maps, sorts, merges, limits and packs its ids
-  and writes its side-car, without the GIL;
+* compiled (`native`): per local device, one call maps, sorts, merges, limits and packs its ids
+  (its SparseCores on C++ threads, without the GIL), and another writes its side-car;
 * NumPy: every feature expanded to sort keys (`ragged`), then, chunk by chunk of this host's
   SparseCores, merge and limit per partition (`partition`) and pack (`pack`); then, device by
   device, the unique-row side-car from the SparseCores' columns (`unique_rows`). Buckets never

@@ -57,7 +57,7 @@ def assert_same_batches(a, b):
 
 
 # Row bits of the shard: 6 (the first sort digit covers the row), 12 (one later radix pass),
-# 23 (two later passes); each with partitions of more and fewer than 64 ids (the radix and the
+# 23 (two later passes); each with partitions of more and fewer than 24 ids (the radix and the
 # insertion sort), weights (mean combiner) and dropping.
 @pytest.mark.parametrize("vocabulary", [2**7, 2**13, 2**24])
 @pytest.mark.parametrize("dropping", [False, True])

@@ -152,6 +152,17 @@ void ForEachId(const FeatureInput& feature, const StackParams& p, int64_t sparse
   }
 }
 
+// At least the number of ids that `ForEachIdOf` visits (exactly that for a pooled feature).
+int64_t IdsBound(const FeatureInput& feature, const StackParams& p, int64_t sparsecore) {
+  const int64_t q = feature.samples_per_sparsecore;
+  const int64_t first_row = (p.device * p.sparsecores_per_device + sparsecore) * q;
+  const int64_t m = std::max<int64_t>(feature.max_sequence_length, 1);
+  const int64_t first = std::min(first_row / m, feature.num_samples);
+  const int64_t end = std::min((first_row + q + m - 1) / m, feature.num_samples);
+  const int64_t ids = feature.offsets[end] - feature.offsets[first];
+  return feature.max_sequence_length ? std::min(ids, q) : ids;
+}
+
 template <class F>
 void ForEachIdOf(const FeatureInput& feature, const StackParams& p, int64_t sparsecore, F&& f) {
   if (feature.values_are_int64) {
@@ -248,10 +259,15 @@ struct RowDigits {
 
 // The first digit takes up to 10 bits, with (partition, digit) below 2^16 counters: measured on
 // the benchmark's stacks (16 and 19 row bits, 4 partitions), it leaves one later pass of at most
-// 9 bits, 1.2x faster for 19 bits than 8 + 11, no slower for 16.
-RowDigits Digits(int64_t row_bits, int64_t partitions) {
+// 9 bits, 1.2x faster for 19 bits than 8 + 11, no slower for 16. Nor more counters than about
+// twice the SparseCore's `ids`: every counter is cleared, summed and copied once, which for a
+// SparseCore of a few thousand ids (many devices, one table per stack) cost several times its
+// sort.
+RowDigits Digits(int64_t row_bits, int64_t partitions, int64_t ids) {
   const int64_t partition_bits = 64 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(partitions - 1, 1)));
-  const int64_t first = std::clamp<int64_t>(16 - partition_bits, 0, std::min<int64_t>(10, row_bits));
+  const int64_t id_bits = 64 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(ids, 1)));
+  const int64_t key_bits = std::min<int64_t>(16, id_bits + 1);
+  const int64_t first = std::clamp<int64_t>(key_bits - partition_bits, 0, std::min<int64_t>(10, row_bits));
   const int64_t rest = row_bits - first;
   const int64_t passes = (rest + 10) / 11;
   return RowDigits{first, passes, passes ? (rest + passes - 1) / passes : 0};
@@ -264,6 +280,12 @@ struct Ids {
   float* gains;  // null: every gain is 1
 };
 
+// Below this many ids a bucket is insertion-sorted: its cost grows as n^2 / 4 (the first digit
+// sorted the low row bits, so the high ones come in random order), a radix pass's as n plus its
+// histogram; with a few dozen ids per partition (many SparseCores) the radix passes measured
+// 1.2x faster at 24-64 ids.
+constexpr int64_t kInsertionSortBelow = 24;
+
 // Completes the stable sort by row of a bucket's `n` ids, sorted by the first digit: insertion
 // sort when short, else LSD radix passes over the other digits (alternating between `ids` and
 // `scratch`). Returns where the sorted ids are.
@@ -271,7 +293,7 @@ template <class Key>
 Ids<Key> SortByRow(Ids<Key> ids, int64_t n, Ids<Key> scratch, KeyFormat<Key> format, const RowDigits& digits,
                    std::vector<int32_t>& histogram) {
   if (digits.passes == 0) return ids;
-  if (n < 64) {
+  if (n < kInsertionSortBelow) {
     for (int64_t i = 1; i < n; ++i) {
       const Key key = ids.keys[i];
       const float gain = ids.gains ? ids.gains[i] : 1.0f;
@@ -366,7 +388,9 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
   const KeyFormat<Key> format{p.sample_bits};
   const int64_t n = p.num_sparsecores;
   const int64_t partition_bits = __builtin_ctzll(static_cast<uint64_t>(n));
-  const RowDigits digits = Digits(p.row_bits, n);
+  int64_t ids_bound = 0;
+  for (int64_t f = 0; f < num_features; ++f) ids_bound += IdsBound(features[f], p, sparsecore);
+  const RowDigits digits = Digits(p.row_bits, n, ids_bound);
   const uint32_t first_mask = (1u << digits.first_bits) - 1;
   const SparseCoreCounts counts{device_counts->ids_per_bucket + sparsecore * n,
                                 device_counts->unique_per_bucket + sparsecore * n,

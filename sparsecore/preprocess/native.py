@@ -1,13 +1,14 @@
 """Compiled host preprocessing: one stack's validated features -> its packed buffers.
 
-`csrc/pack_device.cc` computes what `partition.merge_pairs`, `pack.pack_chunk` and
-`unique_rows` compute with NumPy, with the same results bit for bit, in a few passes over each
-SparseCore's ids that stay in the caches instead of a sequence of whole-array NumPy calls:
-`pack_device` maps a device's ids to (SparseCore, partition), sorts each partition by row,
-merges pairs, counts, applies the limits and writes the device's buffers, SparseCore by
-SparseCore on its own threads; `side_car` then builds the device's unique-row side-car from the
-written buffers, partition by partition. The threads are C++ threads (Python threads would queue
-for the GIL between calls). Limits and a full buffer come back as statuses with the counts;
+`csrc/pack.cc` computes what `partition.merge_pairs`, `pack.pack_chunk` and `unique_rows`
+compute with NumPy, with the same results bit for bit, in a few passes over each SparseCore's
+ids that stay in the caches instead of a sequence of whole-array NumPy calls: `pack` maps the
+ids to (SparseCore, partition), sorts each partition by row, merges pairs, counts, applies the
+limits and writes the buffers of every local device, SparseCore by SparseCore on its own
+threads; `side_car` then builds each device's unique-row side-car from the written buffers,
+partition by partition. One call of each per stack: the threads are C++ threads (Python threads
+would queue for the GIL between calls), and a call per device cost more than the work of a small
+stack on many devices. Limits and a full buffer come back as statuses with the counts;
 `pipeline` raises the NumPy path's exceptions from them.
 
 The library is built on first use (`sparsecore.native`); `build_error` tells whether it can be.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,17 +32,18 @@ __all__ = [
     "BUFFER_OVERFLOW",
     "ID_OUT_OF_RANGE",
     "LIMIT_EXCEEDED",
-    "DeviceCall",
-    "DeviceCounts",
+    "OK",
     "NativeFeature",
+    "SparseCoreCounts",
+    "StackCall",
     "build_error",
-    "device_call",
     "native_feature",
-    "pack_device",
+    "pack",
     "side_car",
+    "stack_call",
 ]
 
-_SOURCE = Path(__file__).parent / "csrc" / "pack_device.cc"
+_SOURCE = Path(__file__).parent / "csrc" / "pack.cc"
 
 OK, LIMIT_EXCEEDED, BUFFER_OVERFLOW, SIDE_CAR_OVERFLOW, OUT_OF_MEMORY, ID_OUT_OF_RANGE = range(6)
 """The C++ functions' statuses."""
@@ -61,7 +63,7 @@ class _FeatureInput(ctypes.Structure):
 
 class _StackParams(ctypes.Structure):
     _fields_ = [
-        ("num_sparsecores", _i64), ("sparsecores_per_device", _i64), ("device", _i64),
+        ("num_sparsecores", _i64), ("sparsecores_per_device", _i64),
         ("row_bits", _i64), ("row_pointers_per_sparsecore", _i64), ("segment", _i64),
         ("unique_width", _i64), ("max_ids", _i64), ("max_unique", _i64),
         ("allow_dropping", _i64), ("num_tables", _i64), ("table_row_starts", _p), ("pad_id", _i64),
@@ -69,14 +71,14 @@ class _StackParams(ctypes.Structure):
     ]
 
 
-class _DeviceBuffers(ctypes.Structure):
+class _HostBuffers(ctypes.Structure):
     _fields_ = [
         ("row_pointers", _p), ("embedding_ids", _p), ("sample_ids", _p), ("gains", _p),
         ("unique_ids", _p), ("unique_counts", _p), ("entry_unique_index", _p),
     ]
 
 
-class _DeviceCounts(ctypes.Structure):
+class _HostCounts(ctypes.Structure):
     _fields_ = [
         ("ids_per_bucket", _p), ("unique_per_bucket", _p), ("kept_per_bucket", _p),
         ("table_ids_max", _p), ("table_unique_max", _p), ("dropped_ids", _p), ("statuses", _p),
@@ -86,12 +88,12 @@ class _DeviceCounts(ctypes.Structure):
 @functools.cache
 def _library() -> ctypes.CDLL:
     library = native.library(_SOURCE)
-    library.sparsecore_pack_device.argtypes = [
+    library.sparsecore_pack.argtypes = [
         ctypes.POINTER(_StackParams), ctypes.POINTER(_FeatureInput), _i64,
-        ctypes.POINTER(_DeviceBuffers), ctypes.POINTER(_DeviceCounts), _i64,
+        ctypes.POINTER(_HostBuffers), ctypes.POINTER(_HostCounts), _i64, _i64,
     ]
-    library.sparsecore_pack_device.restype = ctypes.c_int32
-    library.sparsecore_side_car.argtypes = [ctypes.POINTER(_StackParams), ctypes.POINTER(_DeviceBuffers), _i64]
+    library.sparsecore_pack.restype = ctypes.c_int32
+    library.sparsecore_side_car.argtypes = [ctypes.POINTER(_StackParams), ctypes.POINTER(_HostBuffers), _i64, _i64]
     library.sparsecore_side_car.restype = ctypes.c_int32
     return library
 
@@ -107,10 +109,10 @@ def build_error() -> str | None:
 
 
 @dataclass(frozen=True)
-class DeviceCounts:
-    """What one device's call reports, per SparseCore: status, pairs / columns per partition
-    before dropping and pairs within the limits (`[S, N]`), per-table maxima (`[S, T]`) and raw
-    ids dropped (`[S]`)."""
+class SparseCoreCounts:
+    """What `pack` reports for a range of local SparseCores, per SparseCore: status, pairs /
+    columns per partition before dropping and pairs within the limits (`[G, N]`), per-table
+    maxima (`[G, T]`) and raw ids dropped (`[G]`)."""
 
     statuses: np.ndarray
     ids_per_bucket: np.ndarray
@@ -119,6 +121,10 @@ class DeviceCounts:
     table_ids_max: np.ndarray
     table_unique_max: np.ndarray
     dropped_ids: np.ndarray
+
+    def select(self, first: int, end: int) -> SparseCoreCounts:
+        """The counts of local SparseCores [first, end)."""
+        return SparseCoreCounts(*(getattr(self, f.name)[first:end] for f in fields(self)))
 
 
 @dataclass(frozen=True)
@@ -155,31 +161,31 @@ def native_feature(valid: ValidFeature, stack: StackedTable) -> NativeFeature:
 
 
 @dataclass(frozen=True)
-class DeviceCall:
-    """The arguments of the C++ calls for one stack and local device (arrays kept alive)."""
+class StackCall:
+    """The arguments of the C++ calls for one stack and the host's local devices (arrays kept
+    alive)."""
 
     params: _StackParams
     features: ctypes.Array
-    buffers: _DeviceBuffers
+    buffers: _HostBuffers
+    num_devices: int
     keep_alive: tuple[object, ...]
 
 
-def device_call(
+def stack_call(
     stack: StackedTable,
     features: tuple[NativeFeature, ...],
     sizes: BufferSizes,
     buffers: PackedBuffers,
-    device: int,
     row_bits: int,
     allow_id_dropping: bool,
-) -> DeviceCall:
-    """The C++ view of local device `device`'s rows of `buffers` (uninitialised: the C++ writes
-    every slot) and of the stack's features and parameters."""
+) -> StackCall:
+    """The C++ view of `buffers` (every local device's; uninitialised: the C++ writes every
+    slot) and of the stack's features and parameters."""
     starts = np.array([t.row_offset_in_shard for t in stack.tables] + [1 << row_bits], dtype=np.int64)
     params = _StackParams(
         num_sparsecores=stack.num_sparsecores,
         sparsecores_per_device=sizes.sparsecores_per_device,
-        device=device,
         row_bits=row_bits,
         row_pointers_per_sparsecore=sizes.row_pointers_per_sparsecore,
         segment=sizes.coo_buffer_size_per_sparsecore,
@@ -193,21 +199,21 @@ def device_call(
         sample_bits=max(1, (sizes.batch_size_per_sparsecore - 1).bit_length()),
     )
     unique = buffers.unique
-    views = _DeviceBuffers(
-        row_pointers=buffers.row_pointers[device].ctypes.data,
-        embedding_ids=buffers.embedding_ids[device].ctypes.data,
-        sample_ids=buffers.sample_ids[device].ctypes.data,
-        gains=buffers.gains[device].ctypes.data,
-        unique_ids=None if unique is None else unique.unique_ids[device].ctypes.data,
-        unique_counts=None if unique is None else unique.unique_counts[device].ctypes.data,
-        entry_unique_index=None if unique is None else unique.entry_unique_index[device].ctypes.data,
+    views = _HostBuffers(
+        row_pointers=buffers.row_pointers.ctypes.data,
+        embedding_ids=buffers.embedding_ids.ctypes.data,
+        sample_ids=buffers.sample_ids.ctypes.data,
+        gains=buffers.gains.ctypes.data,
+        unique_ids=None if unique is None else unique.unique_ids.ctypes.data,
+        unique_counts=None if unique is None else unique.unique_counts.ctypes.data,
+        entry_unique_index=None if unique is None else unique.entry_unique_index.ctypes.data,
     )
     array = (_FeatureInput * len(features))(*(f.struct for f in features))
-    return DeviceCall(params, array, views, (starts, features, buffers))
+    return StackCall(params, array, views, len(buffers.row_pointers), (starts, features, buffers))
 
 
-def _check(status: int, call: DeviceCall, stack: StackedTable) -> None:
-    where = f"stacked table {stack.name!r}, local device {call.params.device}"
+def _check(status: int, call: StackCall, stack: StackedTable) -> None:
+    where = f"stacked table {stack.name!r}"
     if status == OUT_OF_MEMORY:
         raise MemoryError(f"{where}: host preprocessing ran out of memory")
     if status == SIDE_CAR_OVERFLOW:
@@ -217,15 +223,16 @@ def _check(status: int, call: DeviceCall, stack: StackedTable) -> None:
         )
 
 
-def pack_device(call: DeviceCall, stack: StackedTable, num_threads: int) -> DeviceCounts:
-    """Fill the call's device's buffers, its SparseCores on up to `num_threads` threads; see
-    the module docstring. Limits and a full buffer are reported in the statuses, not raised."""
-    s, n, t = call.params.sparsecores_per_device, call.params.num_sparsecores, call.params.num_tables
-    buckets = np.empty((3, s, n), dtype=np.int32)
-    tables = np.empty((2, s, t), dtype=np.int32)
-    dropped = np.empty(s, dtype=np.int64)
-    statuses = np.empty(s, dtype=np.int32)
-    out = _DeviceCounts(
+def pack(call: StackCall, stack: StackedTable, num_threads: int) -> SparseCoreCounts:
+    """Fill the buffers of every local device, the SparseCores on up to `num_threads` threads;
+    see the module docstring. Limits and a full buffer are reported in the statuses, not raised."""
+    g = call.num_devices * call.params.sparsecores_per_device
+    n, t = call.params.num_sparsecores, call.params.num_tables
+    buckets = np.empty((3, g, n), dtype=np.int32)
+    tables = np.empty((2, g, t), dtype=np.int32)
+    dropped = np.empty(g, dtype=np.int64)
+    statuses = np.empty(g, dtype=np.int32)
+    out = _HostCounts(
         ids_per_bucket=buckets[0].ctypes.data,
         unique_per_bucket=buckets[1].ctypes.data,
         kept_per_bucket=buckets[2].ctypes.data,
@@ -234,15 +241,18 @@ def pack_device(call: DeviceCall, stack: StackedTable, num_threads: int) -> Devi
         dropped_ids=dropped.ctypes.data,
         statuses=statuses.ctypes.data,
     )
-    status = _library().sparsecore_pack_device(
+    status = _library().sparsecore_pack(
         ctypes.byref(call.params), call.features, len(call.features), ctypes.byref(call.buffers),
-        ctypes.byref(out), num_threads,
+        ctypes.byref(out), call.num_devices, num_threads,
     )
     _check(status, call, stack)
-    return DeviceCounts(statuses, buckets[0], buckets[1], buckets[2], tables[0], tables[1], dropped)
+    return SparseCoreCounts(statuses, buckets[0], buckets[1], buckets[2], tables[0], tables[1], dropped)
 
 
-def side_car(call: DeviceCall, stack: StackedTable, num_threads: int) -> None:
-    """Build the call's device's side-car from its written buffers (every SparseCore of the
-    device packed without error), its partitions on up to `num_threads` threads."""
-    _check(_library().sparsecore_side_car(ctypes.byref(call.params), ctypes.byref(call.buffers), num_threads), call, stack)
+def side_car(call: StackCall, stack: StackedTable, num_threads: int) -> None:
+    """Build every local device's side-car from its written buffers (every SparseCore packed
+    without error), the partitions on up to `num_threads` threads."""
+    status = _library().sparsecore_side_car(
+        ctypes.byref(call.params), ctypes.byref(call.buffers), call.num_devices, num_threads
+    )
+    _check(status, call, stack)

@@ -3,8 +3,8 @@
 For each stack: validate every feature and fold its combiner into gains (`ragged`, `gains`),
 then fill the buffers by one of two paths that give the same results:
 
-* compiled (`native`): per local device, one call maps, sorts, merges, limits and packs its ids
-  (its SparseCores on C++ threads, without the GIL), and another writes its side-car;
+* compiled (`native`): one call maps, sorts, merges, limits and packs the ids of every local
+  device (the SparseCores on C++ threads, without the GIL), and another writes the side-cars;
 * NumPy: every feature expanded to sort keys (`ragged`), then, chunk by chunk of this host's
   SparseCores, merge and limit per partition (`partition`) and pack (`pack`); then, device by
   device, the unique-row side-car from the SparseCores' columns (`unique_rows`). Buckets never
@@ -232,41 +232,33 @@ def _run_chunk(
 
 
 def _native_plan(work: _StackWork, topology: Topology, allow_id_dropping: bool, num_threads: int) -> _Plan:
-    """The compiled path (`native`): one task per local device, which packs its SparseCores on
-    `num_threads` C++ threads; then, device by device, its errors, and its side-car."""
+    """The compiled path (`native`): one task, which packs every local device's SparseCores on
+    `num_threads` C++ threads; then, device by device, its errors, and the side-cars."""
     features = tuple(native.native_feature(f, work.stack) for f in work.features)
-    calls = [
-        native.device_call(
-            work.stack, features, work.sizes, work.buffers, d, work.layout.row_bits, allow_id_dropping
-        )
-        for d in range(topology.local_device_count)
-    ]
+    call = native.stack_call(work.stack, features, work.sizes, work.buffers, work.layout.row_bits, allow_id_dropping)
 
-    def settle(results: list[native.DeviceCounts]) -> tuple[list[_ChunkCounts], list[Callable[[], None]]]:
+    def settle(results: list[native.SparseCoreCounts]) -> tuple[list[_ChunkCounts], list[Callable[[], None]]]:
+        (counts,) = results
         s = work.sparsecores_per_device
-        for d, counts in enumerate(results):
-            _raise_native_errors(work, topology, counts, d * s)
-        chunks = [
-            _ChunkCounts(
-                c.ids_per_bucket,
-                c.unique_per_bucket,
-                tuple(c.table_ids_max.max(axis=0).tolist()),
-                tuple(c.table_unique_max.max(axis=0).tolist()),
-                int(c.dropped_ids.sum()),
-                [],
-            )
-            for c in results
-        ]
+        if (counts.statuses != native.OK).any():
+            for first in range(0, len(counts.statuses), s):
+                _raise_native_errors(work, topology, counts.select(first, first + s), first)
+        chunk = _ChunkCounts(
+            counts.ids_per_bucket,
+            counts.unique_per_bucket,
+            tuple(counts.table_ids_max.max(axis=0).tolist()),
+            tuple(counts.table_unique_max.max(axis=0).tolist()),
+            int(counts.dropped_ids.sum()),
+            [],
+        )
         if work.buffers.unique is None:
-            return chunks, []
-        return chunks, [functools.partial(native.side_car, call, work.stack, num_threads) for call in calls]
+            return [chunk], []
+        return [chunk], [functools.partial(native.side_car, call, work.stack, num_threads)]
 
-    return _Plan(
-        [functools.partial(native.pack_device, call, work.stack, num_threads) for call in calls], 1, settle
-    )
+    return _Plan([functools.partial(native.pack, call, work.stack, num_threads)], 1, settle)
 
 
-def _raise_native_errors(work: _StackWork, topology: Topology, counts: native.DeviceCounts, first: int) -> None:
+def _raise_native_errors(work: _StackWork, topology: Topology, counts: native.SparseCoreCounts, first: int) -> None:
     """Raise what the NumPy path raises for the device of local SparseCores `first`, ... if
     its SparseCores report an id outside the vocabulary, a limit exceeded or a full buffer (in
     that order)."""

@@ -1,8 +1,10 @@
-// Compiled host preprocessing of one stack for one local device (see
-// sparsecore/preprocess/native.py): the validated ragged ids of the stack's features in, the
-// device's packed buffers and counts out, SparseCore by SparseCore (`sparsecore_pack_device`);
-// then the device's unique-row side-car from the written buffers, partition by partition
-// (`sparsecore_side_car`); each on a few threads. Same results, bit for bit, as the NumPy path
+// Compiled host preprocessing of one stack for the host's local devices (see
+// sparsecore/preprocess/native.py): the validated ragged ids of the stack's features in, every
+// local device's packed buffers and counts out, SparseCore by SparseCore (`sparsecore_pack`);
+// then each device's unique-row side-car from the written buffers, partition by partition
+// (`sparsecore_side_car`); each on a few threads. One call per stack, not per device: with
+// many devices and small stacks, a call's fixed cost (arguments, thread starts) outweighed
+// its work. Same results, bit for bit, as the NumPy path
 // (ragged.expand_feature, partition.merge_pairs, pack.pack_chunk, unique_rows), whose module
 // docstrings state the rules; briefly:
 //   an id e of a feature goes to bucket (SparseCore of its output row, partition
@@ -49,8 +51,7 @@ struct FeatureInput {
 
 struct StackParams {
   int64_t num_sparsecores;         // N, a power of two
-  int64_t sparsecores_per_device;  // S
-  int64_t device;                  // local device d: local SparseCores d*S .. d*S+S-1
+  int64_t sparsecores_per_device;  // S; local SparseCore g is SparseCore g % S of local device g / S
   int64_t row_bits;                // bits of a row in a shard
   int64_t row_pointers_per_sparsecore;  // R >= N
   int64_t segment;                 // COO slots per SparseCore
@@ -64,29 +65,31 @@ struct StackParams {
   int64_t sample_bits;              // bits of a sample id in a SparseCore's batch
 };
 
-// The device's buffers (its rows of the host arrays).
-struct DeviceBuffers {
-  int32_t* row_pointers;        // [S * R]
-  int32_t* embedding_ids;       // [S * segment], preset to pads
+// The host's buffers, D local devices of S SparseCores (G = D * S local SparseCores): a device's
+// rows of each array follow the previous device's, so local SparseCore g's part of each is at g
+// times its part's size, and device d's side-car at d times the side-car's size.
+struct HostBuffers {
+  int32_t* row_pointers;        // [G * R]
+  int32_t* embedding_ids;       // [G * segment], uninitialised (every slot is written)
   int32_t* sample_ids;
   float* gains;
-  int32_t* unique_ids;          // [N * U], preset to pads
-  int32_t* unique_counts;       // [N]
-  int32_t* entry_unique_index;  // [S * segment], preset to pads
+  int32_t* unique_ids;          // [D * N * U]
+  int32_t* unique_counts;       // [D * N]
+  int32_t* entry_unique_index;  // [G * segment]
 };
 
-// What a device's SparseCores count, SparseCore by SparseCore.
-struct DeviceCounts {
-  int32_t* ids_per_bucket;      // [S, N] pairs before dropping
-  int32_t* unique_per_bucket;   // [S, N] columns before dropping
-  int32_t* kept_per_bucket;     // [S, N] pairs within the limits
-  int32_t* table_ids_max;       // [S, num_tables]
-  int32_t* table_unique_max;    // [S, num_tables]
-  int64_t* dropped_ids;         // [S]
-  int32_t* statuses;            // [S]
+// What the local SparseCores count, SparseCore by SparseCore.
+struct HostCounts {
+  int32_t* ids_per_bucket;      // [G, N] pairs before dropping
+  int32_t* unique_per_bucket;   // [G, N] columns before dropping
+  int32_t* kept_per_bucket;     // [G, N] pairs within the limits
+  int32_t* table_ids_max;       // [G, num_tables]
+  int32_t* table_unique_max;    // [G, num_tables]
+  int64_t* dropped_ids;         // [G]
+  int32_t* statuses;            // [G]
 };
 
-// One SparseCore's rows of a DeviceCounts.
+// One SparseCore's rows of a HostCounts.
 struct SparseCoreCounts {
   int32_t* ids_per_bucket;
   int32_t* unique_per_bucket;
@@ -126,12 +129,12 @@ struct Pairs {
 };
 
 // Calls f(sample, id_index, id) for every id of `feature` whose output row lies on local
-// SparseCore `sparsecore` of the device, in input order.
+// SparseCore `sparsecore` of the host, in input order.
 template <class Values, class F>
 void ForEachId(const FeatureInput& feature, const StackParams& p, int64_t sparsecore, F&& f) {
   const Values* values = static_cast<const Values*>(feature.values);
   const int64_t q = feature.samples_per_sparsecore;
-  const int64_t first_row = (p.device * p.sparsecores_per_device + sparsecore) * q;
+  const int64_t first_row = sparsecore * q;
   const int64_t end_row = first_row + q;
   const int32_t sample_base = static_cast<int32_t>(feature.sample_offset - first_row);
   if (feature.max_sequence_length == 0) {
@@ -155,7 +158,7 @@ void ForEachId(const FeatureInput& feature, const StackParams& p, int64_t sparse
 // At least the number of ids that `ForEachIdOf` visits (exactly that for a pooled feature).
 int64_t IdsBound(const FeatureInput& feature, const StackParams& p, int64_t sparsecore) {
   const int64_t q = feature.samples_per_sparsecore;
-  const int64_t first_row = (p.device * p.sparsecores_per_device + sparsecore) * q;
+  const int64_t first_row = sparsecore * q;
   const int64_t m = std::max<int64_t>(feature.max_sequence_length, 1);
   const int64_t first = std::min(first_row / m, feature.num_samples);
   const int64_t end = std::min((first_row + q + m - 1) / m, feature.num_samples);
@@ -381,10 +384,10 @@ int64_t MergePairs(Ids<Key> ids, int64_t n, KeyFormat<Key> format, Pairs pairs) 
 
 int32_t Round8(int64_t x) { return static_cast<int32_t>((x + 7) & ~int64_t{7}); }
 
-// Packs local SparseCore `sparsecore` of the device; returns its status.
+// Packs local SparseCore `sparsecore` of the host; returns its status.
 template <class Key>
 Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_t num_features, int64_t sparsecore,
-                      DeviceBuffers* buffers, DeviceCounts* device_counts, Workspace& w) {
+                      HostBuffers* buffers, HostCounts* host_counts, Workspace& w) {
   const KeyFormat<Key> format{p.sample_bits};
   const int64_t n = p.num_sparsecores;
   const int64_t partition_bits = __builtin_ctzll(static_cast<uint64_t>(n));
@@ -392,11 +395,11 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
   for (int64_t f = 0; f < num_features; ++f) ids_bound += IdsBound(features[f], p, sparsecore);
   const RowDigits digits = Digits(p.row_bits, n, ids_bound);
   const uint32_t first_mask = (1u << digits.first_bits) - 1;
-  const SparseCoreCounts counts{device_counts->ids_per_bucket + sparsecore * n,
-                                device_counts->unique_per_bucket + sparsecore * n,
-                                device_counts->kept_per_bucket + sparsecore * n,
-                                device_counts->table_ids_max + sparsecore * p.num_tables,
-                                device_counts->table_unique_max + sparsecore * p.num_tables};
+  const SparseCoreCounts counts{host_counts->ids_per_bucket + sparsecore * n,
+                                host_counts->unique_per_bucket + sparsecore * n,
+                                host_counts->kept_per_bucket + sparsecore * n,
+                                host_counts->table_ids_max + sparsecore * p.num_tables,
+                                host_counts->table_unique_max + sparsecore * p.num_tables};
 
   // Counting sort of the SparseCore's ids by (partition, first row digit), in input order.
   const int64_t digit_keys = n << digits.first_bits;
@@ -516,19 +519,20 @@ Status PackSparseCore(const StackParams& p, const FeatureInput* features, int64_
     std::fill(buffers->sample_ids + lo, buffers->sample_ids + hi, static_cast<int32_t>(p.pad_id));
     std::fill(buffers->gains + lo, buffers->gains + hi, std::numeric_limits<float>::quiet_NaN());
   }
-  device_counts->dropped_ids[sparsecore] = dropped;
+  host_counts->dropped_ids[sparsecore] = dropped;
   if (over_limit && !p.allow_dropping) return kLimitExceeded;
   if (overflow && !p.allow_dropping) return kBufferOverflow;
   return kOk;
 }
 
-// The side-car of partition t of the device, from its written buffers: the distinct rows of every SparseCore (ascending in its slots), merged, and each
-// slot's index among them; pads elsewhere (the side-car comes uninitialised).
-Status SideCar(const StackParams& p, int64_t t, DeviceBuffers* buffers, Workspace& w) {
-  const int64_t s_count = p.sparsecores_per_device;
+// The side-car of partition t of local device d, from its written buffers: the distinct rows of
+// every SparseCore of the device (ascending in its slots), merged, and each slot's index among
+// them (the device's flat side-car index); pads elsewhere (the side-car comes uninitialised).
+Status SideCar(const StackParams& p, int64_t d, int64_t t, HostBuffers* buffers, Workspace& w) {
+  const int64_t s_count = p.sparsecores_per_device, first = d * s_count;
   int64_t distinct = 0;
   int32_t* merged = Workspace::Sized(w.merged, 0);
-  for (int64_t s = 0; s < s_count; ++s) {
+  for (int64_t s = first; s < first + s_count; ++s) {
     const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
     const int32_t* ids = buffers->embedding_ids + s * p.segment;
     const int64_t lo = t == 0 ? 0 : Round8(row_pointers[t - 1]), hi = row_pointers[t];
@@ -546,11 +550,11 @@ Status SideCar(const StackParams& p, int64_t t, DeviceBuffers* buffers, Workspac
   }
   if (distinct > p.unique_width) return kSideCarOverflow;
   const int64_t flat = t * p.unique_width;
-  std::copy(merged, merged + distinct, buffers->unique_ids + flat);
-  std::fill(buffers->unique_ids + flat + distinct, buffers->unique_ids + flat + p.unique_width,
-            static_cast<int32_t>(p.pad_id));
-  buffers->unique_counts[t] = static_cast<int32_t>(distinct);
-  for (int64_t s = 0; s < s_count; ++s) {
+  int32_t* unique_ids = buffers->unique_ids + d * p.num_sparsecores * p.unique_width + flat;
+  std::copy(merged, merged + distinct, unique_ids);
+  std::fill(unique_ids + distinct, unique_ids + p.unique_width, static_cast<int32_t>(p.pad_id));
+  buffers->unique_counts[d * p.num_sparsecores + t] = static_cast<int32_t>(distinct);
+  for (int64_t s = first; s < first + s_count; ++s) {
     const int32_t* row_pointers = buffers->row_pointers + s * p.row_pointers_per_sparsecore;
     const int32_t* ids = buffers->embedding_ids + s * p.segment;
     int32_t* index = buffers->entry_unique_index + s * p.segment;
@@ -567,12 +571,13 @@ Status SideCar(const StackParams& p, int64_t t, DeviceBuffers* buffers, Workspac
 
 }  // namespace
 
-// Packs every SparseCore of the device (params->device) on up to `threads` threads; each
+// Packs the SparseCores of `num_devices` local devices on up to `threads` threads; each
 // SparseCore's status goes to counts->statuses. Returns kOutOfMemory if memory ran out, else kOk.
-extern "C" int32_t sparsecore_pack_device(const StackParams* params, const FeatureInput* features,
-                                          int64_t num_features, DeviceBuffers* buffers, DeviceCounts* counts,
-                                          int64_t threads) {
-  const bool done = ParallelFor(params->sparsecores_per_device, threads, [&](int64_t s, Workspace& w) {
+extern "C" int32_t sparsecore_pack(const StackParams* params, const FeatureInput* features, int64_t num_features,
+                                   HostBuffers* buffers, HostCounts* counts, int64_t num_devices,
+                                   int64_t threads) {
+  const int64_t sparsecores = num_devices * params->sparsecores_per_device;
+  const bool done = ParallelFor(sparsecores, threads, [&](int64_t s, Workspace& w) {
     const bool narrow = params->row_bits + params->sample_bits <= 31;  // top bit clear: see MergePairs
     counts->statuses[s] = narrow ? PackSparseCore<uint32_t>(*params, features, num_features, s, buffers, counts, w)
                                  : PackSparseCore<uint64_t>(*params, features, num_features, s, buffers, counts, w);
@@ -580,11 +585,14 @@ extern "C" int32_t sparsecore_pack_device(const StackParams* params, const Featu
   return done ? kOk : kOutOfMemory;
 }
 
-// Builds the device's side-car from its written buffers on up to `threads` threads.
-extern "C" int32_t sparsecore_side_car(const StackParams* params, DeviceBuffers* buffers, int64_t threads) {
+// Builds the side-cars of `num_devices` local devices from their written buffers, partition by
+// partition, on up to `threads` threads.
+extern "C" int32_t sparsecore_side_car(const StackParams* params, HostBuffers* buffers, int64_t num_devices,
+                                       int64_t threads) {
   std::atomic<int32_t> status{kOk};
-  const bool done = ParallelFor(params->num_sparsecores, threads, [&](int64_t t, Workspace& w) {
-    if (SideCar(*params, t, buffers, w) != kOk) status = kSideCarOverflow;
+  const int64_t n = params->num_sparsecores;
+  const bool done = ParallelFor(num_devices * n, threads, [&](int64_t k, Workspace& w) {
+    if (SideCar(*params, k / n, k % n, buffers, w) != kOk) status = kSideCarOverflow;
   });
   return done ? status.load() : kOutOfMemory;
 }

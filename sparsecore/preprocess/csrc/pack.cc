@@ -569,6 +569,20 @@ Status SideCar(const StackParams& p, int64_t d, int64_t t, HostBuffers* buffers,
   return kOk;
 }
 
+// Packs local SparseCore `sparsecore` (`PackSparseCore`), with everything it calls inlined into
+// an instance per instruction set: on x86-64 also for x86-64-v3 (AVX2, BMI2) and v4 (AVX-512),
+// chosen at load time; the shifts by a run-time count of the digit sorts and the wider
+// loops measured ~1.1x faster than the baseline instruction set.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
+#endif
+Status PackOne(const StackParams& p, const FeatureInput* features, int64_t num_features, int64_t sparsecore,
+               HostBuffers* buffers, HostCounts* counts, Workspace& w) {
+  const bool narrow = p.row_bits + p.sample_bits <= 31;  // top bit clear: see MergePairs
+  return narrow ? PackSparseCore<uint32_t>(p, features, num_features, sparsecore, buffers, counts, w)
+                : PackSparseCore<uint64_t>(p, features, num_features, sparsecore, buffers, counts, w);
+}
+
 }  // namespace
 
 // Packs the SparseCores of `num_devices` local devices on up to `threads` threads; each
@@ -578,9 +592,7 @@ extern "C" int32_t sparsecore_pack(const StackParams* params, const FeatureInput
                                    int64_t threads) {
   const int64_t sparsecores = num_devices * params->sparsecores_per_device;
   const bool done = ParallelFor(sparsecores, threads, [&](int64_t s, Workspace& w) {
-    const bool narrow = params->row_bits + params->sample_bits <= 31;  // top bit clear: see MergePairs
-    counts->statuses[s] = narrow ? PackSparseCore<uint32_t>(*params, features, num_features, s, buffers, counts, w)
-                                 : PackSparseCore<uint64_t>(*params, features, num_features, s, buffers, counts, w);
+    counts->statuses[s] = PackOne(*params, features, num_features, s, buffers, counts, w);
   });
   return done ? kOk : kOutOfMemory;
 }

@@ -18,14 +18,18 @@ and the ratios device / FBGEMM and (preprocessing + device) / FBGEMM. Ratios, no
 are the result: the steps of one configuration are timed interleaved (one repeat of each in turn),
 so a change in machine load hits all of them alike, and each ratio is the median of the per-round
 ratios (steps of one round ran under the same load; a median of medians would pair times taken
-under different loads). Within a round each step runs twice in a row and the second run is
-timed: every step, FBGEMM's included, then finds its own tables' hot rows in the caches, as in a
-training loop (timing first runs instead would charge each step for whatever the step before it
-evicted, and FBGEMM's two thread counts run back to back would favour whichever runs second).
-The load average (1 minute) is printed after each configuration, since other processes on a
-small machine move every number.
+under different loads). Within a round each step runs `--runs` + 1 times in a row and its time
+is the median of the last `--runs` calls: its steady state, with its own tables' hot rows back
+in the caches, as a training loop calling it every step has them. One warm-up call is not
+enough for that: on one device at 100k x 64, calls 1-6 of our forward right after FBGEMM's
+took 3.5 3.1 2.8 2.7 2.7 2.6 ms, and FBGEMM's right after ours 4.6 4.0 3.6 3.3 3.3 3.3 ms
+(medians of 20 sequences). Timing one call per round (`--runs 1`: the second in a row) is
+therefore uneven: FBGEMM's one-thread step runs right after its default step, on the same
+tables, so it is timed at its fourth call in a row and every other step at its second. The load
+average (1 minute) is printed after each configuration, since other processes on a small
+machine move every number.
 
-    python benchmarks/sparsecore.py [--rows 100000 1000000] [--dims 64 128] [--repeats 10]
+    python benchmarks/sparsecore.py [--rows 100000 1000000] [--dims 64 128] [--repeats 10] [--runs 5]
 """
 from __future__ import annotations
 
@@ -65,19 +69,23 @@ IDS_PER_BAG = 20
 LEARNING_RATE = 0.01
 
 
-def interleaved_times(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def interleaved_times(steps: dict[str, Callable[[], object]], repeats: int, runs: int) -> dict[str, list[float]]:
     """Wall milliseconds of each step in each of `repeats` rounds, after one warm-up call each
-    (which compiles); a round runs every step twice in a row and times the second run, so the
-    steps of a round share its load and each finds its own data in the caches."""
+    (which compiles); a round runs every step `runs + 1` times in a row and keeps the median of
+    the last `runs`, so the steps of a round share its load and each finds its own data in the
+    caches."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             step()
-            start = time.perf_counter()
-            step()
-            times[name].append((time.perf_counter() - start) * 1e3)
+            timed = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                step()
+                timed.append((time.perf_counter() - start) * 1e3)
+            times[name].append(float(np.median(timed)))
     return times
 
 
@@ -194,7 +202,7 @@ class SparseCore:
         jax.block_until_ready((activations, self.tables, self.slots))
 
 
-def run(rows: int, dim: int, topology: Topology, repeats: int, threads: int) -> list[tuple]:
+def run(rows: int, dim: int, topology: Topology, repeats: int, runs: int, threads: int) -> list[tuple]:
     """Rows (step, FBGEMM ms, device ms, host ms, device/FBGEMM, total/FBGEMM) of one
     configuration (see `_row`)."""
     ids, grads = workload(rows, dim)
@@ -220,7 +228,7 @@ def run(rows: int, dim: int, topology: Topology, repeats: int, threads: int) -> 
                     "fbgemm forward 1 thread": baseline.single_threaded(baseline.forward),
                 }
             )
-        times = interleaved_times(steps, repeats)
+        times = interleaved_times(steps, repeats, runs)
         if not results:
             results.append(_row("forward", times, "forward", "host lookup", "fbgemm forward"))
         results.append(_row(f"fwd+bwd+{label}", times, "train", "host", "fbgemm train"))
@@ -236,6 +244,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="stand-in devices (JAX CPU devices)")
     parser.add_argument("--sparsecores", type=int, default=4, help="SparseCores per stand-in device")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=5, help="timed calls in a row per step and round")
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="threads of host preprocessing (default: every core)"
     )
@@ -244,14 +253,15 @@ def main() -> None:
     print(
         f"{TABLES} tables, batch {BATCH}, {IDS_PER_BAG} ids/bag, Zipf(1.05), sum pooling; stand-in: "
         f"{args.devices} device(s) x {args.sparsecores} SparseCores; host preprocessing on "
-        f"{args.threads} thread(s); medians of {args.repeats}; ms; load average at start {_load()}"
+        f"{args.threads} thread(s); medians of {args.repeats} rounds of {args.runs} call(s); ms; load average at "
+        f"start {_load()}"
     )
     header = f"{'rows':>9} {'dim':>4}  {'step':<26}{'FBGEMM':>8}{'device':>9}{'host prep':>11}{'prep+dev':>10}{'device/FB':>11}{'total/FB':>10}"
     print(header)
     for rows in args.rows:
         for dim in args.dims:
             for step, fbgemm_ms, device_ms, host_ms, device_ratio, total_ratio in run(
-                rows, dim, topology, args.repeats, args.threads
+                rows, dim, topology, args.repeats, args.runs, args.threads
             ):
                 print(
                     f"{rows:>9} {dim:>4}  {step:<26}{fbgemm_ms:>8.2f}{device_ms:>9.2f}{host_ms:>11.2f}"

@@ -32,9 +32,9 @@ itself several times raw `jax.jit` there, so no `torch.compile` backend gets wit
 size (the goal is meaningful for the large MLP and the transformer block). Defer mode runs the
 same machinery as PyTorch CPU eager plus, per step, ~37 calls into Python kernels (21 ops
 recorded, ~15 view kernels, one host read; PyTorch's dispatch into a Python kernel that returns
-a new tensor costs ~12 us against ~4 us for a CPU op), the backward's hand-offs to the autograd
-engine's device thread (a PrivateUse1 backward never runs on the calling thread) and one fused
-program: it cannot drop below PyTorch CPU eager, let alone to 0.5x.
+a new tensor costs ~12 us against ~4 us for a CPU op) and one fused program: it cannot drop
+below PyTorch CPU eager, let alone to 0.5x. (The backward runs on the calling thread, as on CPU:
+torchtpu turns off the autograd engine's hand-off to a thread per device, see `torchtpu/device.py`.)
 
 PyTorch runs with one intra-op thread: once the JAX CPU runtime is up in the same process, its
 thread pool and OpenMP's spinning threads starve each other on a 2-core machine (a 8x64 matmul

@@ -39,8 +39,8 @@ _LAX_PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
 
 
 class _State:
-    """Process-wide, like `torch.set_float32_matmul_precision`: the autograd engine runs backward
-    ops on its own thread, and they must use the mode the forward ran under."""
+    """Process-wide, like `torch.set_float32_matmul_precision`: the autograd engine can run backward
+    ops on its own thread (see `torchtpu.device`), and they must use the mode the forward ran under."""
 
     mode = "default"
 

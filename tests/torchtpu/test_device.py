@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import textwrap
 
 import pytest
@@ -67,6 +68,16 @@ def test_backward_on_every_device():
         (w.tanh() * 2).sum().backward()
         assert w_tpu.grad.device == torch.device("tpu", index)
         torch.testing.assert_close(w_tpu.grad.cpu(), w.grad)
+
+
+def test_backward_runs_on_the_calling_thread():
+    """A tpu backward is not handed to an autograd engine thread (see `device.py`)."""
+    threads = []
+    w = torch.randn(4, 3, device="tpu", requires_grad=True)
+    y = w.tanh()
+    y.register_hook(lambda grad: threads.append(threading.get_ident()))
+    y.sum().backward()
+    assert threads == [threading.get_ident()]
 
 
 def test_memory_stats_follow_live_tensors():

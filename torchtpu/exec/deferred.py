@@ -73,9 +73,10 @@ class _Graph:
 
 
 class _State:
-    """The one pending graph of the process. Not thread-local: PyTorch's autograd engine runs
-    backward ops for a device on its own worker thread, and they belong to the same program
-    order as the forward ops that produced their inputs."""
+    """The one pending graph of the process. Not thread-local: PyTorch's autograd engine can run
+    backward ops for a device on its own worker thread (in a thread that turned its multithreading
+    back on, see `torchtpu.device`), and they belong to the same program order as the forward ops
+    that produced their inputs."""
 
     def __init__(self) -> None:
         self.graph = _Graph()

@@ -4,6 +4,7 @@ lowering registry, matching PyTorch CPU; graph breaks and the optimizer run in t
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -104,11 +105,74 @@ def test_a_graph_of_host_tensors_runs_on_the_host():
     assert "compiled_graphs" not in torchtpu.metrics()
 
 
-def test_a_graph_mixing_host_and_tpu_tensors_names_both_devices():
-    """Not supported (the graph is not split by device): an error naming both devices."""
-    compiled = torch.compile(lambda a, b: (a * 2, b + 1), backend="tpu")
-    with pytest.raises(RuntimeError, match="found at least two devices, tpu:0 and cpu"):
-        compiled(torch.ones(3, device="tpu"), torch.ones(3))
+def test_a_graph_mixing_host_and_tpu_tensors_is_split_by_device():
+    """Host ops beside tpu ops in one graph run on the host; the tpu ops as a compiled piece."""
+    fn = lambda a, b: (a * 2 + 1, b + 1, a.sum() + b.to(a.device).sum())  # noqa: E731
+    a, b = torch.randn(3), torch.randn(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing lacks a lowering: no warning
+        outs = torch.compile(fn, backend="tpu")(a.to("tpu"), b)
+    assert [t.device.type for t in outs] == ["tpu", "cpu", "tpu"]
+    torch.testing.assert_close([t.cpu() for t in outs], list(fn(a, b)))
+    assert torchtpu.metrics()["compiled_graphs_split"] == 1
+    assert sum(_graph_programs().values()) >= 1  # the tpu ops ran as compiled programs
+
+
+class _HostStage(nn.Module):
+    """A model that runs one stage of its forward on the host (state kept on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("host_scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        h = self.first(x).cpu()
+        h = torch.tanh(h * self.host_scale.cpu())
+        return self.last(h.to(x.device))
+
+
+def test_training_through_a_graph_split_by_device():
+    """Forward and backward graphs that cross to the host and back, against PyTorch CPU."""
+    reference = _HostStage()
+    model = copy.deepcopy(reference).to("tpu")
+    model.host_scale = model.host_scale.cpu()
+    compiled = torch.compile(model, backend="tpu")
+    x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    with torch.tpu.precision("highest"):
+        expected = F.cross_entropy(reference(x), y)
+        expected.backward()
+        actual = F.cross_entropy(compiled(x.to("tpu")), y.to("tpu"))
+        actual.backward()
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach())
+    for p_cpu, p_tpu in zip(reference.parameters(), model.parameters()):
+        assert p_tpu.grad.device.type == "tpu"
+        torch.testing.assert_close(p_tpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6)
+    assert torchtpu.metrics()["compiled_graphs_split"] == 2  # forward and backward
+
+
+@torch.library.custom_op("torchtpu_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """An op no lowering knows: it runs as its own tpu ops, eagerly."""
+    return x * factor
+
+
+@_scaled.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_an_op_without_a_lowering_runs_eagerly_between_compiled_pieces(mode):
+    fn = lambda x: _scaled(x.sin(), 3.0).cos() + 1  # noqa: E731
+    x = torch.randn(4, 3)
+    with torchtpu.eager_mode(mode), pytest.warns(UserWarning, match=r"without a tpu lowering \(torchtpu_test.scaled"):
+        actual = torch.compile(fn, backend="tpu")(x.to("tpu"))
+        torch.testing.assert_close(actual.cpu(), fn(x))
+    assert torchtpu.metrics()["compiled_graphs_split"] == 1
+    if mode == "strict":
+        assert len(_graph_programs()) == 2  # sin before the op, cos + 1 after it
 
 
 def test_backward_inside_a_compiled_function():

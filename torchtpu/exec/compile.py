@@ -12,11 +12,10 @@ compiled optimizer step updates) is written in place.
 
 A graph that touches no `tpu` tensor (host code inside a compiled model: TorchRec checking a KJT
 that stays on the host) runs as Dynamo captured it, on the CPU, where its tensors are; it is
-counted in `torchtpu.metrics()["compiled_graphs_on_host"]`. A graph mixing host and `tpu` tensors
-is not split by device: it raises an error naming both devices.
-
-A graph containing an op without a lowering is run eagerly instead (its ops dispatch one by one
-to the tpu kernels), counted in `torchtpu.metrics()["compiled_graphs_run_eagerly"]` and warned.
+counted in `torchtpu.metrics()["compiled_graphs_on_host"]`. A graph with nodes no program can run
+-- ops on host tensors beside the `tpu` ones, ops without a lowering -- is split (`split`): each
+group of the other nodes is compiled, those nodes run eagerly where their tensors are; counted in
+`torchtpu.metrics()["compiled_graphs_split"]`, and warned of when an op lacks a lowering.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 import torch.fx
 
 from torchtpu import counters, precision, random as tpu_random, runtime
-from torchtpu.exec import bucketing, opcall
+from torchtpu.exec import bucketing, opcall, split
 from torchtpu.exec import graph as fx_graph
 from torchtpu.exec.opcall import HostRef, NewTensor, Program, TensorRef
 from torchtpu.ops import decomps
@@ -114,7 +113,6 @@ class CompiledGraph:
         self.random = fx_graph.needs_rng(gm)
         self.aliases = fx_graph.aliased_outputs(gm)
         self.host_written = fx_graph.host_written_inputs(gm)
-        self.missing = fx_graph.unsupported_ops(gm)
         nodes = list(gm.graph.nodes)
         self.input_metas = [node.meta.get("val") for node in nodes if node.op == "placeholder"]
         output = nodes[-1].args[0]
@@ -127,17 +125,8 @@ class CompiledGraph:
             for m in self.input_metas
         )
         self.plans = opcall.plan_table()
-        if self.missing:
-            counters.count("compiled_graphs_run_eagerly")
-            warnings.warn(
-                f"torch.compile(backend='tpu'): {self.name} has ops without a tpu lowering "
-                f"({', '.join(self.missing)}); running this graph eagerly",
-                stacklevel=2,
-            )
 
     def __call__(self, *args: Any) -> Any:
-        if self.missing:
-            return self.gm(*args)
         from torchtpu.exec.kernels import submit
 
         if not self.symbolic:
@@ -316,7 +305,19 @@ def _compiler(kind: str):
         from torch._functorch.aot_autograd import make_boxed_func
 
         counters.count("compiled_graphs")
-        return make_boxed_func(CompiledGraph(gm, kind))
+        if not split.needs_split(gm):
+            return make_boxed_func(CompiledGraph(gm, kind))
+        missing = split.missing_lowerings(gm)
+        outer, pieces = split.split(gm, lambda piece: CompiledGraph(piece, kind))
+        counters.count("compiled_graphs_split")
+        if missing:
+            warnings.warn(
+                f"torch.compile(backend='tpu'): {kind} graph with ops without a tpu lowering "
+                f"({', '.join(missing)}); they run eagerly, the rest of the graph as {pieces} "
+                "compiled piece(s)",
+                stacklevel=2,
+            )
+        return make_boxed_func(outer.forward)
 
     return compile_graph
 

@@ -54,14 +54,19 @@ def _meta(value: Any) -> Any:
 
 
 def unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """ATen overloads in `gm` that have no lowering (the compiler will refuse the graph)."""
-    missing = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, OpOverload):
-            lowered = registry.get(node.target) is not None or _is_input_copy(node)
-            if not lowered and not _is_size_query(node.target):
-                missing.append(str(node.target))
+    """ATen overloads in `gm` that have no lowering (the compiler runs them outside its programs)."""
+    missing = [
+        str(node.target)
+        for node in gm.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, OpOverload) and not is_lowered(node)
+    ]
     return sorted(set(missing))
+
+
+def is_lowered(node: torch.fx.Node) -> bool:
+    """Whether `interpret` can run ATen node `node`: its op has a lowering, or is one of the
+    few it evaluates itself (size queries, `copy_` into a graph input)."""
+    return registry.get(node.target) is not None or _is_input_copy(node) or _is_size_query(node.target)
 
 
 def _is_input_copy(node: torch.fx.Node) -> bool:

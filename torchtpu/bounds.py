@@ -82,6 +82,17 @@ def mark(t: torch.Tensor, axes: dict[int, Buckets]) -> None:
         torch._dynamo.mark_dynamic(t, axis)
 
 
+def pad(x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """`x` padded to `sizes` (each at least `x`'s), its pad entries repeating the first entry
+    along each padded axis (see `bounded`)."""
+    for d, size in enumerate(sizes):
+        extra = size - x.shape[d]
+        if extra:
+            fill = x.narrow(d, 0, 1).expand(*[extra if i == d else -1 for i in range(x.dim())])
+            x = torch.cat([x, fill], dim=d)
+    return x
+
+
 def bounded(
     x: torch.Tensor,
     dim: int | Sequence[int] = 0,
@@ -105,13 +116,7 @@ def bounded(
         raise ValueError("torchtpu.bounded takes data, not a tensor that requires grad")
     policy = buckets if isinstance(buckets, Buckets) else Buckets(buckets)
     dims = sorted({d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)})
-    padded = x.contiguous()
-    for d in dims:
-        size = x.shape[d]
-        extra = policy.bucket(size) - size
-        if extra:
-            fill = padded.narrow(d, 0, 1).expand(*[extra if i == d else -1 for i in range(x.dim())])
-            padded = torch.cat([padded, fill], dim=d)
+    padded = pad(x.contiguous(), [policy.bucket(size) if d in dims else size for d, size in enumerate(x.shape)])
     target = torch.device(device) if device is not None else torch.device("tpu")
     if target.type != "tpu":
         raise ValueError(f"torchtpu.bounded places tensors on a tpu device, not {target}")

@@ -139,3 +139,44 @@ def test_without_bounds_a_new_shape_recompiles_and_the_log_says_which(monkeypatc
         double(torch.ones(n, 3, device="tpu")).item()
     err = capfd.readouterr().err
     assert "recompiling inference_graph" in err and "(a dynamic size) is 6 instead of 5" in err
+
+
+def test_a_bounded_graph_split_by_device_pads_what_the_host_returns():
+    """A compiled function whose bounded rows visit the host between two compiled pieces: the
+    piece after the host op pads that op's (unpadded) result itself, and every size matches CPU
+    with one program per bucket and piece."""
+
+    def fn(x, scale):
+        h = torch.tanh(x * 2)
+        on_host = h.cpu() * scale
+        return h.sum(0) + on_host.to(x.device).mean(0)
+
+    compiled = torch.compile(fn, backend="tpu")
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    scale = torch.tensor(3.0)
+    for n in (3, 4, 2, 7, 5, 8, 6):  # buckets 2, 4, 8
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(compiled(torchtpu.bounded(x, 0), scale).cpu(), fn(x, scale), msg=f"rows {n}")
+    metrics = torchtpu.metrics()
+    assert metrics["compiled_graphs_split"] >= 1
+    assert metrics["bounded_inputs_copied"] == 4  # the host op's result, for each n not a bucket
+    assert _graph_programs("inference_graph") <= 3 * 2
+
+
+def test_an_input_written_in_place_is_never_padded_by_copy():
+    """Padding by copy would take the graph's in-place write: an unpadded input the graph writes
+    raises instead, naming the input."""
+
+    def fn(a, b):
+        b.add_(a * 2)
+        return a.sum(0)
+
+    compiled = torch.compile(fn, backend="tpu")
+    torch._dynamo.reset()
+    x = torchtpu.bounded(torch.randn(3, 4), 0)
+    y = torch.zeros(3, 4, device="tpu")
+    torch._dynamo.mark_dynamic(y, 0)
+    with pytest.raises(BucketingError, match="graph input 1 of shape .3, 4. has a bounded dimension and is written"):
+        compiled(x, y)
+    assert torch.equal(y.cpu(), torch.zeros(3, 4))

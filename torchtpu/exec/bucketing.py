@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from torchtpu import storage
-from torchtpu.bounds import bounds_of, mark
+from torchtpu import counters, storage
+from torchtpu.bounds import bounds_of, mark, pad
 from torchtpu.ops.schema import ArgKind, Signature
 
 aten = torch.ops.aten
@@ -143,9 +143,10 @@ class CallPlan:
         return view
 
 
-def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan:
+def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int] = frozenset()) -> CallPlan:
     """Bind the symbols of one call of a symbolic graph to this call's sizes, and find the
-    bounded ones from the marked storages of its tensor arguments."""
+    bounded ones from the marked storages of its tensor arguments; `written`: the positions of
+    the arguments the graph writes in place."""
     policies: dict = {}
     sizes: dict = {}
     fixed: dict = {}
@@ -180,11 +181,14 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any]) -> CallPlan:
     buckets = {symbol: policies[symbol].bucket(sizes[symbol]) for symbol in policies}
     symints = {p: e for p, e in symints.items() if e.free_symbols & buckets.keys()}
     plan = CallPlan([], buckets, sizes, fixed, policies, symints)
-    plan.args = [_padded_arg(plan, position, meta, arg) for position, (meta, arg) in enumerate(zip(metas, args))]
+    plan.args = [
+        _padded_arg(plan, position, meta, arg, position in written)
+        for position, (meta, arg) in enumerate(zip(metas, args))
+    ]
     return plan
 
 
-def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any) -> Any:
+def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any, written: bool) -> Any:
     if position in plan.symints:
         return _static(plan.symints[position], {**plan.fixed, **plan.buckets})
     if not isinstance(arg, torch.Tensor) or not isinstance(meta, torch.Tensor):
@@ -195,12 +199,24 @@ def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any) -> Any:
     buffer = storage.buffer_of(arg)
     end = arg.storage_offset() + sum((s - 1) * st for s, st in zip(padded, arg.stride())) + 1
     if not bounds_of(arg) or end > buffer.numel:
-        raise BucketingError(
-            f"graph input {position} of shape {tuple(arg.shape)} has a bounded dimension but its "
-            f"storage does not hold the padded shape {padded}: create it with torchtpu.bounded() "
-            "or take it from a bounded graph's output"
-        )
+        if written:  # a copy would take the graph's writes
+            raise BucketingError(
+                f"graph input {position} of shape {tuple(arg.shape)} has a bounded dimension and is "
+                f"written in place, but its storage does not hold the padded shape {padded}: create "
+                "it with torchtpu.bounded() or take it from a bounded graph's output"
+            )
+        return _padded_copy(arg, padded)
     return storage.new_tensor(buffer, padded, tuple(arg.stride()), arg.storage_offset())
+
+
+def _padded_copy(arg: torch.Tensor, padded: tuple[int, ...]) -> torch.Tensor:
+    """`arg` copied into a new tensor of the `padded` shape, padded as `torchtpu.bounded` pads:
+    for a bounded input whose storage ends at its true size -- made by an eager op, such as a
+    host op between two compiled pieces of a split graph (`split`), or passed without
+    `torchtpu.bounded()`. Counted in `torchtpu.metrics()["bounded_inputs_copied"]`: one copy a
+    call, where inputs made by `torchtpu.bounded()` or a bounded graph cost none."""
+    counters.count("bounded_inputs_copied")
+    return pad(arg, padded)
 
 
 # --- inside the trace: masks ------------------------------------------------------------------

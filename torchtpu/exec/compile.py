@@ -113,6 +113,7 @@ class CompiledGraph:
         self.random = fx_graph.needs_rng(gm)
         self.aliases = fx_graph.aliased_outputs(gm)
         self.host_written = fx_graph.host_written_inputs(gm)
+        self.written = frozenset(fx_graph.written_inputs(gm))
         nodes = list(gm.graph.nodes)
         self.input_metas = [node.meta.get("val") for node in nodes if node.op == "placeholder"]
         output = nodes[-1].args[0]
@@ -131,7 +132,7 @@ class CompiledGraph:
 
         if not self.symbolic:
             return self._write_host_inputs(args, submit(self._call(args)))
-        buckets = bucketing.plan_call(self.input_metas, args)
+        buckets = bucketing.plan_call(self.input_metas, args, self.written)
         outs = self._write_host_inputs(args, submit(GraphCall(self, buckets.args, buckets)))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]

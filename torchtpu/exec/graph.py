@@ -80,18 +80,24 @@ def _is_input_copy(node: torch.fx.Node) -> bool:
     )
 
 
+def written_inputs(gm: torch.fx.GraphModule) -> dict[int, Any]:
+    """The inputs the graph `copy_`s into: position -> the input's metadata."""
+    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    return {
+        placeholders[node.args[0]]: node.args[0].meta.get("val")
+        for node in gm.graph.nodes
+        if node.op == "call_function" and _is_input_copy(node)
+    }
+
+
 def host_written_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
     """Positions of the CPU inputs the graph `copy_`s into (a compiled optimizer's step count,
     a 0-dim CPU tensor): a device program cannot write host memory, so the graph returns their
     new values and the caller copies them in."""
-    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    positions = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and _is_input_copy(node):
-            meta = node.args[0].meta.get("val")
-            if isinstance(meta, torch.Tensor) and meta.device.type == "cpu":
-                positions.add(placeholders[node.args[0]])
-    return tuple(sorted(positions))
+    return tuple(sorted(
+        position for position, meta in written_inputs(gm).items()
+        if isinstance(meta, torch.Tensor) and meta.device.type == "cpu"
+    ))
 
 
 def aliased_outputs(gm: torch.fx.GraphModule) -> dict[int, int]:

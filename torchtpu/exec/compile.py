@@ -279,28 +279,6 @@ class CompiledGraph:
                        tuple(check_messages))
 
 
-def describe_key_difference(a: tuple, b: tuple) -> str:
-    """What differs between two compile keys of one graph: an input's shape or dtype, a
-    bounded dimension's bucket, or a static argument."""
-    if a[1:3] != b[1:3]:
-        return f"precision/device {a[1:3]} instead of {b[1:3]}"
-    for position, (x, y) in enumerate(zip(a[4], b[4])):
-        if x == y:
-            continue
-        if isinstance(x, TensorRef) and isinstance(y, TensorRef):
-            if x.sizes != y.sizes:
-                return f"input {position} has shape {x.sizes} instead of {y.sizes}"
-            if x.dtype != y.dtype:
-                return f"input {position} has dtype {x.dtype} instead of {y.dtype}"
-            return f"input {position} has another layout"
-        if isinstance(x, int) and isinstance(y, int):
-            return f"input {position} (a dynamic size) is {x} instead of {y} (torchtpu.bounded buckets sizes)"
-        return f"input {position} is {x!r} instead of {y!r}"
-    if a[5] != b[5]:
-        return f"bounded dimensions at buckets {a[5]} instead of {b[5]}"
-    return "the inputs' storages differ in size or initialisation"
-
-
 def _compiler(kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
         from torch._functorch.aot_autograd import make_boxed_func

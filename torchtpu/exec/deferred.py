@@ -379,7 +379,7 @@ def describe_difference(program_keys: list[tuple], previous: list[list[tuple]]) 
             continue
         if a[0] != b[0]:
             return f"op {position} is {a[0]} where the nearest cached graph has {b[0]}"
-        return f"op {position} ({a[0]}): " + eager.describe_key_difference(a, b)
+        return f"op {position} ({a[0]}): " + opcall.describe_key_difference(a, b)
     if len(nearest) != len(program_keys):
         return f"the nearest cached graph has {len(nearest)} ops instead of {len(program_keys)}"
     return "same ops; different outputs, donation or inputs"

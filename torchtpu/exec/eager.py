@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from torch._ops import OpOverload
 
 from torchtpu import counters, runtime
 from torchtpu.exec import checks, fast_dispatch, modes, opcall
@@ -77,19 +76,10 @@ def _note_compile(key: tuple) -> None:
     """With TORCHTPU_LOG_RECOMPILES=1, say why an op (or compiled graph) compiles again."""
     previous = _keys_by_op.setdefault(key[0], [])
     if previous and log_recompiles():
-        print(f"[torchtpu] strict: recompiling {key[0]}: {describe_key_difference(key, previous[-1])}",
+        print(f"[torchtpu] strict: recompiling {key[0]}: {opcall.describe_key_difference(key, previous[-1])}",
               file=sys.stderr)
     previous.append(key)
     del previous[:-8]
-
-
-def describe_key_difference(a: tuple, b: tuple) -> str:
-    """What differs between two compile keys of the same op or compiled graph."""
-    if isinstance(a[0], OpOverload):
-        return opcall.describe_key_difference(a, b)
-    from torchtpu.exec import compile as compiled
-
-    return compiled.describe_key_difference(a, b)
 
 
 def run(call: opcall.Inputs) -> Any:

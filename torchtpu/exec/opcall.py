@@ -918,24 +918,32 @@ def assemble(template, call: Call, new_tensors: list, host_values: list):
 
 
 def describe_key_difference(a: tuple, b: tuple) -> str:
-    """What differs between two call keys: which argument's shape or dtype, or which static value."""
+    """What differs between two compile keys of one op or one compiled graph: the precision, the
+    device, which argument's shape, dtype or layout, which static value -- for a graph, which
+    dynamic size or which bucket of its bounded dimensions."""
     if a[1] != b[1]:
         return f"matmul precision {a[1]} instead of {b[1]}"
     if a[2] != b[2]:
         return f"device tpu:{a[2]} instead of tpu:{b[2]}"
-    if not isinstance(a[0], OpOverload):
-        return "the inputs' shapes, dtypes or layouts differ"
-    sig = signature(a[0])
-    for arg, x, y in zip(sig.args, a[4], b[4]):
+    graph = not isinstance(a[0], OpOverload)
+    if graph:
+        names = [f"input {i}" for i in range(len(a[4]))]
+    else:
+        names = [f"argument {arg.name!r}" for arg in signature(a[0]).args]
+    for name, x, y in zip(names, a[4], b[4]):
         if x == y:
             continue
         if isinstance(x, TensorRef) and isinstance(y, TensorRef):
             if x.sizes != y.sizes:
-                return f"argument {arg.name!r} has shape {x.sizes} instead of {y.sizes}"
+                return f"{name} has shape {x.sizes} instead of {y.sizes}"
             if x.dtype != y.dtype:
-                return f"argument {arg.name!r} has dtype {x.dtype} instead of {y.dtype}"
-            return f"argument {arg.name!r} has strides/offset {x.geometry} instead of {y.geometry}"
-        return f"argument {arg.name!r} is {x!r} instead of {y!r}"
+                return f"{name} has dtype {x.dtype} instead of {y.dtype}"
+            return f"{name} has strides/offset {x.geometry} instead of {y.geometry}"
+        if graph and isinstance(x, int) and isinstance(y, int):
+            return f"{name} (a dynamic size) is {x} instead of {y} (torchtpu.bounded buckets sizes)"
+        return f"{name} is {x!r} instead of {y!r}"
+    if a[5:] != b[5:]:
+        return f"bounded dimensions at buckets {a[5]} instead of {b[5]}"
     if a[3] != b[3]:
         return "the arguments' storages differ in size or initialisation"
     return "no visible difference"

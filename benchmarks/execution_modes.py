@@ -26,15 +26,20 @@ machine only ever adds time, and the turns spread its load over all modes alike.
 <= 0.5x PyTorch CPU eager on the small MLP; compiled within 1.3x of raw `jax.jit`.
 
 What bounds the small MLP (measured on a 2-core host): its step is nearly all PyTorch machinery
--- module calls, the autograd engine, the optimizer's Python -- which every torch mode runs alike,
-while raw `jax.jit` runs one program. Inductor's compiled step pays that machinery too and is
-itself several times raw `jax.jit` there, so no `torch.compile` backend gets within 1.3x at this
-size (the goal is meaningful for the large MLP and the transformer block). Defer mode runs the
-same machinery as PyTorch CPU eager plus, per step, ~37 calls into Python kernels (21 ops
-recorded, ~15 view kernels, one host read; PyTorch's dispatch into a Python kernel that returns
-a new tensor costs ~12 us against ~4 us for a CPU op) and one fused program: it cannot drop
-below PyTorch CPU eager, let alone to 0.5x. (The backward runs on the calling thread, as on CPU:
-torchtpu turns off the autograd engine's hand-off to a thread per device, see `torchtpu/device.py`.)
+-- module calls, the autograd engine, the optimizer's Python, each ATen call's dispatch -- which
+every torch mode runs alike, while raw `jax.jit` runs one program. The row `torch CPU eager, 1
+wide` is the same step at width 1, next to no math: ~0.9x of the 64-wide step. Inductor's
+compiled step pays that machinery too and is itself several times raw `jax.jit` there, so no
+`torch.compile` backend gets within 1.3x at this size (the goal is meaningful for the large MLP
+and the transformer block). Defer mode runs the same machinery as PyTorch CPU eager but, in
+place of the CPU kernels, 21 calls into Python kernels that record the step's ops (its views run
+in C++), whose dispatch alone costs ~12 us each against ~4 us for a CPU op, and one fused
+program: it cannot drop below PyTorch CPU eager, let alone to 0.5x. Getting there would take recording in C++ (the strict fast path of
+`torchtpu/csrc/fast_dispatch.cpp` extended to defer mode); even then, the module calls, autograd
+and optimizer Python that the 1-wide step spends outside ATen (more than half of it, measured
+with the PyTorch profiler) leave little room. (The backward runs on the calling thread, as on
+CPU: torchtpu turns off the autograd engine's hand-off to a thread per device, see
+`torchtpu/device.py`.)
 
 PyTorch runs with one intra-op thread: once the JAX CPU runtime is up in the same process, its
 thread pool and OpenMP's spinning threads starve each other on a 2-core machine (a 8x64 matmul
@@ -84,6 +89,9 @@ CASES = {
     "large MLP (256 x 512)": (lambda: MLP(512), (256, 512)),
     "transformer block": (lambda: PreLNBlock(dim=64, heads=4), (8, 32, 64)),
 }
+# The small MLP's step at width 1: the same module calls, autograd and optimizer work with next to
+# no math -- how much of PyTorch CPU eager's step is machinery rather than arithmetic.
+MACHINERY = {"small MLP (8 x 64)": (lambda: MLP(1), (8, 1))}
 
 
 def _torch_step(model: nn.Module, forward: Callable | None, device: str, shape) -> Callable[[], float]:
@@ -196,11 +204,14 @@ def _compiled_whole_step(reference: nn.Module, device: str, shape) -> Callable[[
     return step
 
 
-def _modes(make: Callable[[], nn.Module], shape, skip_inductor: bool):
+def _modes(name: str, make: Callable[[], nn.Module], shape, skip_inductor: bool):
     """(label, builder, eager mode) of every mode compared."""
     torch.manual_seed(0)
     reference = make()
     yield "torch CPU eager", lambda: _torch_step(copy.deepcopy(reference), None, "cpu", shape), None
+    if name in MACHINERY:
+        make_narrow, narrow_shape = MACHINERY[name]
+        yield "torch CPU eager, 1 wide", lambda: _torch_step(make_narrow(), None, "cpu", narrow_shape), None
     for mode in ("strict", "defer"):
         yield f"tpu {mode}", lambda: _torch_step(copy.deepcopy(reference).to("tpu"), None, "tpu", shape), mode
     yield "tpu compiled model", lambda: _compiled_step(reference, "tpu", shape), "strict"
@@ -222,11 +233,11 @@ def _timed(step: Callable[[], float], steps: int) -> float:
     return statistics.median(times)
 
 
-def _run_case(make: Callable[[], nn.Module], shape, args) -> list[tuple[str, float, float]]:
+def _run_case(name: str, make: Callable[[], nn.Module], shape, args) -> list[tuple[str, float, float]]:
     """(label, best round median seconds, first step seconds) of every mode on one model."""
     torch._dynamo.reset()  # each model's compiled functions start from empty caches
     built = []
-    for label, build, eager_mode in _modes(make, shape, args.skip_inductor):
+    for label, build, eager_mode in _modes(name, make, shape, args.skip_inductor):
         context = lambda eager_mode=eager_mode: torchtpu.eager_mode(eager_mode or "strict")  # noqa: E731
         with torch.tpu.precision("default"), context():
             step = build()
@@ -252,7 +263,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{'model':24} {'mode':24} {'step ms':>9} {'x CPU eager':>12} {'x jax.jit':>10} {'first step s':>13}")
     for name, (make, shape) in CASES.items():
-        rows = _run_case(make, shape, args)
+        rows = _run_case(name, make, shape, args)
         baseline = rows[0][1]
         jax_time = rows[-1][1]
         for label, steady, first in rows:

@@ -28,16 +28,16 @@ machine only ever adds time, and the turns spread its load over all modes alike.
 What bounds the small MLP (measured on a 2-core host): its step is nearly all PyTorch machinery
 -- module calls, the autograd engine, the optimizer's Python, each ATen call's dispatch -- which
 every torch mode runs alike, while raw `jax.jit` runs one program. The row `torch CPU eager, 1
-wide` is the same step at width 1, next to no math: ~0.9x of the 64-wide step. Inductor's
+wide` is the same step at width 1, next to no math: about as long (0.9-1.1x). Inductor's
 compiled step pays that machinery too and is itself several times raw `jax.jit` there, so no
 `torch.compile` backend gets within 1.3x at this size (the goal is meaningful for the large MLP
 and the transformer block). Defer mode runs the same machinery as PyTorch CPU eager but, in
-place of the CPU kernels, 21 calls into Python kernels that record the step's ops (its views run
-in C++), whose dispatch alone costs ~12 us each against ~4 us for a CPU op, and one fused
-program: it cannot drop below PyTorch CPU eager, let alone to 0.5x. Getting there would take recording in C++ (the strict fast path of
-`torchtpu/csrc/fast_dispatch.cpp` extended to defer mode); even then, the module calls, autograd
-and optimizer Python that the 1-wide step spends outside ATen (more than half of it, measured
-with the PyTorch profiler) leave little room. (The backward runs on the calling thread, as on
+place of the CPU kernels, records the step's 21 ops -- from C++ once their layouts are known
+(~14 us each against ~4 us for a CPU op: PyTorch's dispatch, the layout's key, one Python call
+that appends to the pending graph) -- and runs one fused program: it does not drop below
+PyTorch CPU eager, let alone to 0.5x. Even a backend whose ops cost nothing would keep the module
+calls, autograd and optimizer Python that the 1-wide step spends outside ATen (more than half of
+it, measured with the PyTorch profiler). (The backward runs on the calling thread, as on
 CPU: torchtpu turns off the autograd engine's hand-off to a thread per device, see
 `torchtpu/device.py`.)
 

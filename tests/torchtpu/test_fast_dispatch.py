@@ -1,6 +1,7 @@
-"""Strict eager's C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run from
-C++ and give what PyTorch on CPU gives; every call that is not plain -- other static values,
-views with offsets, another matmul precision, another eager mode -- still gets its own program."""
+"""The eager modes' C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run
+(strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives; every call that is
+not plain -- other static values, views with offsets, another matmul precision, the debug mode --
+still gets its own program; an error while recording from C++ is the call's error."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu.exec import fast_dispatch
+from torchtpu.exec import deferred, fast_dispatch
 
 pytestmark = pytest.mark.skipif(not fast_dispatch.enabled(), reason="the fast path needs a C++ compiler")
 
@@ -37,7 +38,7 @@ def _check(fn, *cpu_args, repeats: int = 3, fast: bool = True, ops: int = 1, **t
     assert _fast_calls() - before == ((repeats - 1) * ops if fast else 0)
 
 
-@pytest.mark.parametrize("name, fn, ops", [
+PLAIN_CALLS = [
     ("add", lambda a, b: a + b, 1),
     ("mul", lambda a, b: a * b, 1),
     ("sub with the default alpha", lambda a, b: torch.sub(a, b, alpha=1), 1),
@@ -47,9 +48,63 @@ def _check(fn, *cpu_args, repeats: int = 3, fast: bool = True, ops: int = 1, **t
     ("max over a dim: two outputs", lambda a, b: torch.max(a, dim=0), 1),
     ("a storage used twice", lambda a, b: a * a, 1),
     ("where of three tensors", lambda a, b: torch.where(a > b, a, b), 2),
-])
+]
+
+
+@pytest.mark.parametrize("name, fn, ops", PLAIN_CALLS)
 def test_repeated_plain_calls_run_from_cpp_and_match_cpu(name, fn, ops):
     _check(fn, torch.randn(5, 3), torch.randn(5, 3), ops=ops)
+
+
+@pytest.mark.parametrize("name, fn, ops", PLAIN_CALLS)
+def test_repeated_plain_calls_are_recorded_from_cpp_in_defer_mode_and_match_cpu(name, fn, ops):
+    a, b = torch.randn(5, 4), torch.randn(5, 4)  # keys of their own: strict learnt (5, 3)
+    recorded = torchtpu.metrics().get("defer_ops_recorded", 0)
+    with torchtpu.eager_mode("defer"):
+        _check(fn, a, b, ops=ops)
+    assert torchtpu.metrics()["defer_ops_recorded"] - recorded == 3 * ops  # each call recorded once
+
+
+def test_defer_mode_fuses_calls_recorded_from_cpp_with_the_others():
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    with torchtpu.eager_mode("defer"):
+        for _ in range(2):  # teach the keys
+            ((ta + tb).exp() * ta).sum().item()
+        metrics = torchtpu.metrics()
+        before = (_fast_calls(), metrics["defer_flushes"], metrics.get("defer_compiles", 0))
+        c = ta + tb
+        c.mul_(2)  # written in place: the Python kernel records it, on the promise C++ made
+        d = (c.exp() * ta).sum()
+        assert isinstance(storage_value(d), deferred.Pending)
+        torch.testing.assert_close(d.cpu(), (((a + b) * 2).exp() * a).sum())
+        metrics = torchtpu.metrics()
+        assert _fast_calls() - before[0] == 4  # add, exp, mul, sum from C++; mul_ from Python
+        assert metrics["defer_flushes"] - before[1] == 1  # one program for all five
+
+
+def storage_value(t: torch.Tensor):
+    from torchtpu import storage
+
+    return storage.buffer_of(t).value
+
+
+def test_an_error_while_recording_from_cpp_is_raised_as_the_calls_error(monkeypatch):
+    a = torch.randn(3, 9).to("tpu")  # a key of its own
+    with torchtpu.eager_mode("defer"):
+        for _ in range(2):
+            (a * a).cpu()
+        recorded = torchtpu.metrics()["defer_ops_recorded"]
+
+        def failing_flush(host):  # as a size-cap flush that fails, once the call is recorded
+            raise ValueError("flush failed")
+
+        monkeypatch.setattr(deferred, "_after_record", failing_flush)
+        with pytest.raises(ValueError, match="flush failed"):
+            a * a
+        monkeypatch.undo()
+        assert torchtpu.metrics()["defer_ops_recorded"] == recorded + 1  # not recorded again by Python
+        torch.testing.assert_close((a * a).cpu(), a.cpu() * a.cpu())
 
 
 def test_outputs_are_ordinary_tpu_tensors():
@@ -104,22 +159,30 @@ def test_matmul_precision_is_part_of_the_key():
     assert (fast.cpu() - exact).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("mode, width", [("defer", 7), ("debug", 8)])
-def test_other_eager_modes_take_the_python_path(mode, width):
-    a, b = torch.randn(3, width), torch.randn(3, width)  # a key of its own
+def test_the_debug_mode_takes_the_python_path():
+    a, b = torch.randn(3, 8), torch.randn(3, 8)  # a key of its own
     _check(lambda x, y: x + y, a, b)  # known to the fast path now
-    with torchtpu.eager_mode(mode):
+    with torchtpu.eager_mode("debug"):
         _check(lambda x, y: x + y, a, b, fast=False)
 
 
-def test_backward_through_fast_ops_matches_cpu():
+def test_each_mode_learns_its_own_keys():
+    a, b = torch.randn(3, 7), torch.randn(3, 7)  # a key of its own
+    _check(lambda x, y: x + y, a, b)  # strict learns it from its first call
+    with torchtpu.eager_mode("defer"):
+        _check(lambda x, y: x + y, a, b)  # defer from its own first call
+    _check(lambda x, y: x + y, a, b, repeats=2, ops=2)  # strict still knows it: every call fast
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_backward_through_fast_ops_matches_cpu(mode):
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(8, 4)
     tw = w.detach().to("tpu").requires_grad_()
     tx = x.to("tpu")
     (x @ w).relu().exp().sum().backward()
     before = _fast_calls()
-    with torch.tpu.precision("highest"):  # float32 products, as on the CPU
+    with torch.tpu.precision("highest"), torchtpu.eager_mode(mode):  # float32 products, as on the CPU
         for _ in range(3):
             tw.grad = None
             (tx @ tw).relu().exp().sum().backward()

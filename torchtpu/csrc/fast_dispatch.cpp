@@ -1,22 +1,25 @@
-// Strict eager's fast path: a C++ kernel in front of an op's Python kernel; and the view
+// The eager modes' fast path: a C++ kernel in front of an op's Python kernel; and the view
 // kernels, which need no Python at all.
 //
-// A strict eager op call that repeats an earlier call's layout (same dtypes, shapes, strides,
-// storage sharing and static values) runs the executable that call compiled. The Python kernel
-// finds it through the op's plan table, but only after PyTorch's dispatch into Python and a
-// pass over the arguments in Python (~12 us of a ~16 us call). This kernel is registered for
-// PrivateUse1 and moves the Python kernel to PrivateUse2. Each call's layout becomes a key; a
-// key whose call the Python kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps
-// to that call's jitted executable and output geometry, and later calls with the key run it
-// from here: the storages' device arrays in, new tensors over its outputs out. Anything else --
-// another eager mode, an unknown or non-plain key, a storage without a materialised array --
-// redispatches to the Python kernel, which is the one definition of what an op does.
+// An op call that repeats an earlier call's layout (same dtypes, shapes, strides, storage
+// sharing and static values) does what that call did. The Python kernel finds it through the
+// op's plan table, but only after PyTorch's dispatch into Python and a pass over the arguments
+// in Python (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the
+// Python kernel to PrivateUse2. Each call's layout becomes a key; a key whose call the Python
+// kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran and
+// its output geometry, and later calls with the key do it from here, new tensors out: in strict
+// mode the jitted executable runs on the storages' device arrays; in defer mode the call's plan
+// is recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
+// buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
+// non-plain key, a storage without a value -- redispatches to the Python kernel, which is the
+// one definition of what an op does.
 #include <Python.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
 #include <torch/library.h>
 
@@ -29,7 +32,10 @@
 
 namespace {
 
-std::atomic<bool> strict_mode{false};
+// The eager mode the kernels serve (`kStrict`, `kDefer`), or another one (every call then takes
+// the Python kernel).
+constexpr int kOther = -1, kStrict = 0, kDefer = 1;
+std::atomic<int> eager_mode{kOther};
 std::atomic<int64_t> precision_code{0};
 std::atomic<int64_t> fast_calls{0};
 
@@ -42,6 +48,7 @@ PyObject* sharded_attr = nullptr;   // DeviceBuffer.sharded
 PyObject* new_buffer = nullptr;     // DeviceBuffer(dtype, numel, device, value)
 PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new address range
 PyObject* learn = nullptr;          // learn(op) -> None or what the op's last call ran (see .py)
+PyObject* record_known = nullptr;   // record_known(plan, *buffers) -> the new outputs' buffers
 int64_t address_chunk = 0;
 
 struct Gil {
@@ -82,7 +89,9 @@ struct Output {
 // What a key runs; owns its references (destroyed with the GIL held: in `run`, `remember` or
 // `torchtpu_fast_clear`). A call holds its own pointer, so clearing during a call is safe.
 struct Executable {
-  PyObject* jitted = nullptr;  // nullptr: the Python kernel handles this key
+  // The jitted executable (strict) or the call's plan (defer); nullptr: the Python kernel
+  // handles this key.
+  PyObject* runner = nullptr;
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;
   std::vector<Output> outputs;
@@ -91,7 +100,7 @@ struct Executable {
   Executable(const Executable&) = delete;
   Executable& operator=(const Executable&) = delete;
   ~Executable() {
-    Py_XDECREF(jitted);
+    Py_XDECREF(runner);
     Py_XDECREF(device);
     for (Output& out : outputs) {
       Py_XDECREF(out.dtype);
@@ -172,9 +181,11 @@ bool attr_is_true(PyObject* obj, PyObject* name) {
   return result;
 }
 
-// Each storage's device array (new references), its buffer's dtype joining the key; false if a
-// storage has no materialised, typed, single-device array. Needs the GIL.
-bool arrays_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::vector<PyObject*>& arrays) {
+// Each storage's device array (new references) -- with `buffers`, its DeviceBuffer instead --
+// its buffer's dtype joining the key; false if a storage has no value (a device array, or in
+// defer mode a promise of one), no element type, or is spread over devices. Needs the GIL.
+bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::vector<PyObject*>& values,
+               bool buffers) {
   for (c10::StorageImpl* s : storages) {
     PyObject* storage = s->pyobj_slot()->load_pyobj();
     if (storage == nullptr) return false;
@@ -187,25 +198,31 @@ bool arrays_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
     PyObject* dtype = PyObject_GetAttr(buffer, dtype_attr);
     bool usable = value != nullptr && value != Py_None && dtype != nullptr &&
                   !attr_is_true(buffer, untyped_attr) && !attr_is_true(buffer, sharded_attr);
-    Py_DECREF(buffer);
     if (!usable) {
       PyErr_Clear();
+      Py_DECREF(buffer);
       Py_XDECREF(value);
       Py_XDECREF(dtype);
       return false;
     }
     key.insert(key.end(), {reinterpret_cast<intptr_t>(dtype), static_cast<int64_t>(s->nbytes())});
     Py_DECREF(dtype);  // torch dtypes live as long as the process
-    arrays.push_back(value);
+    if (buffers) {
+      Py_DECREF(value);
+      values.push_back(buffer);
+    } else {
+      Py_DECREF(buffer);
+      values.push_back(value);
+    }
   }
   return true;
 }
 
-// What `learn` reported for a plain call: (jitted, device, [(dtype, numel, sizes, strides,
-// nbytes), ...]).
+// What `learn` reported for a plain call: (jitted executable or plan, device, [(dtype, numel,
+// sizes, strides, nbytes), ...]).
 bool read_executable(PyObject* info, Executable& exe) {
-  PyObject *jitted, *device, *outputs;
-  if (!PyArg_ParseTuple(info, "OOO", &jitted, &device, &outputs)) return false;
+  PyObject *runner, *device, *outputs;
+  if (!PyArg_ParseTuple(info, "OOO", &runner, &device, &outputs)) return false;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
   for (Py_ssize_t i = 0; i < PyList_Size(outputs); ++i) {
     PyObject *dtype, *sizes, *strides;
@@ -228,26 +245,32 @@ bool read_executable(PyObject* info, Executable& exe) {
     out.nbytes = nbytes;
     exe.outputs.push_back(std::move(out));
   }
-  Py_INCREF(jitted);
+  Py_INCREF(runner);
   Py_INCREF(device);
-  exe.jitted = jitted;
+  exe.runner = runner;
   exe.device = device;
   return !PyErr_Occurred();
 }
+
+using Cache = std::unordered_map<Key, std::shared_ptr<const Executable>, KeyHash>;
+
+enum Outcome { kDone, kDeclined, kFailed };
 
 struct FastKernel final : public c10::OperatorKernel {
   explicit FastKernel(PyObject* op) : op(op) {}
 
   void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
     size_t n = handle.schema().arguments().size();
+    int mode = eager_mode.load(std::memory_order_relaxed);
     Key key;
     std::vector<c10::StorageImpl*> storages;
-    bool unknown = false;  // a readable call whose key was never seen: learn it
-    if (strict_mode.load(std::memory_order_relaxed) && layout_of(*stack, n, key, storages)) {
+    bool unknown = false;  // a readable call whose key this mode never saw: learn it
+    if (mode != kOther && layout_of(*stack, n, key, storages)) {
       Gil gil;
-      std::vector<PyObject*> arrays;
-      bool done = false;
-      if (arrays_of(storages, key, arrays)) {
+      std::vector<PyObject*> values;
+      Outcome done = kDeclined;
+      if (values_of(storages, key, values, mode == kDefer)) {
+        Cache& cache = caches[mode];
         std::shared_ptr<const Executable> exe;
         auto found = cache.find(key);
         if (found != cache.end()) {
@@ -255,31 +278,50 @@ struct FastKernel final : public c10::OperatorKernel {
         } else {
           unknown = true;
         }
-        done = exe && exe->jitted != nullptr && run(*exe, arrays, n, stack);
+        done = exe && exe->runner != nullptr ? run(*exe, values, mode, n, stack) : kDeclined;
       }
-      for (PyObject* a : arrays) Py_DECREF(a);  // arrays_of may have taken some before it failed
-      if (done) return;
+      for (PyObject* v : values) Py_DECREF(v);  // values_of may have taken some before it failed
+      if (done == kFailed) {
+        // A recorded call (or a flush it caused) failed: its error is the call's, raised as it
+        // is -- running the Python kernel instead would record the call twice, or lose the error.
+        python_error error;
+        error.persist();
+        throw error;
+      }
+      if (done == kDone) return;
     }
     handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
-    if (unknown) remember(std::move(key));
+    if (unknown) remember(std::move(key), mode);
   }
 
-  // Run a known plain call from here; false (the stack unchanged) when the Python kernel must.
-  // Needs the GIL.
-  bool run(const Executable& exe, std::vector<PyObject*>& arrays, size_t n, torch::jit::Stack* stack) {
-    PyObject* outs = PyObject_Vectorcall(exe.jitted, arrays.data(), arrays.size(), nullptr);
+  // Do a known plain call from here: kDone; kDeclined (the stack unchanged) when the Python
+  // kernel must; kFailed (a Python error set) when the call failed after it was recorded. Strict
+  // runs the executable on the storages' arrays, whose results become new buffers; defer records
+  // the plan on the storages' buffers, which gives the new buffers. Needs the GIL.
+  Outcome run(const Executable& exe, std::vector<PyObject*>& values, int mode, size_t n, torch::jit::Stack* stack) {
+    PyObject* outs;
+    if (mode == kStrict) {
+      outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
+    } else {
+      values.insert(values.begin(), exe.runner);  // borrowed: not released with the buffers
+      outs = PyObject_Vectorcall(record_known, values.data(), values.size(), nullptr);
+      values.erase(values.begin());
+    }
     if (outs == nullptr) {
+      if (mode == kDefer) return kFailed;
       PyErr_Clear();  // the Python kernel runs the call again and reports what went wrong
-      return false;
+      return kDeclined;
     }
     bool ok = true;
     std::vector<at::Tensor> results;
     for (size_t i = 0; i < exe.outputs.size() && ok; ++i) {
       const Output& out = exe.outputs[i];
       PyObject* value = PySequence_GetItem(outs, static_cast<Py_ssize_t>(i));
-      PyObject* buffer =
-          value ? PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value, nullptr) : nullptr;
-      Py_XDECREF(value);
+      PyObject* buffer = value == nullptr || mode == kDefer
+                             ? value
+                             : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value,
+                                                            nullptr);
+      if (buffer != value) Py_XDECREF(value);
       uint64_t address = buffer ? addresses.take(out.nbytes) : 0;
       ok = address != 0;
       if (ok) {
@@ -299,18 +341,24 @@ struct FastKernel final : public c10::OperatorKernel {
     }
     Py_DECREF(outs);
     if (!ok) {
+      if (mode == kDefer) {
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_RuntimeError, "torchtpu: a recorded call's outputs could not be made into tensors");
+        }
+        return kFailed;
+      }
       PyErr_Clear();
-      return false;
+      return kDeclined;
     }
     torch::jit::drop(*stack, n);
     for (at::Tensor& t : results) stack->emplace_back(std::move(t));
     fast_calls.fetch_add(1, std::memory_order_relaxed);
-    return true;
+    return kDone;
   }
 
-  // After the Python kernel ran a call of an unseen key: remember what it ran, or that the key
-  // is not plain.
-  void remember(Key key) {
+  // After the Python kernel did a call of a key `mode` never saw: remember what it did, or that
+  // the key is not plain (in that mode).
+  void remember(Key key, int mode) {
     Gil gil;
     PyObject* info = PyObject_CallOneArg(learn, op);
     if (info == nullptr) {
@@ -323,12 +371,13 @@ struct FastKernel final : public c10::OperatorKernel {
       exe = std::make_shared<Executable>();
     }
     Py_DECREF(info);
+    Cache& cache = caches[mode];
     if (cache.size() >= kMaxKeys) cache.clear();
     cache.emplace(std::move(key), std::move(exe));
   }
 
   PyObject* op;  // the OpOverload, passed to `learn`
-  std::unordered_map<Key, std::shared_ptr<const Executable>, KeyHash> cache;  // guarded by the GIL
+  Cache caches[2];  // per mode (kStrict, kDefer); guarded by the GIL
 };
 
 // A view only changes metadata: PyTorch's CPU kernel makes it for a tpu tensor as well (the
@@ -356,7 +405,8 @@ std::unique_ptr<torch::Library> impl_library(const char* ns) {
 extern "C" {
 
 // Called once with the GIL held: the Python objects the kernels use.
-int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* learn_fn, long long chunk) {
+int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* learn_fn, PyObject* record_fn,
+                       long long chunk) {
   buffer_attr = PyUnicode_InternFromString("_tpu_buffer");
   value_attr = PyUnicode_InternFromString("value");
   dtype_attr = PyUnicode_InternFromString("dtype");
@@ -365,9 +415,11 @@ int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* 
   Py_INCREF(new_buffer_fn);
   Py_INCREF(reserve_fn);
   Py_INCREF(learn_fn);
+  Py_INCREF(record_fn);
   new_buffer = new_buffer_fn;
   reserve = reserve_fn;
   learn = learn_fn;
+  record_known = record_fn;
   address_chunk = chunk;
   return 0;
 }
@@ -402,7 +454,8 @@ int torchtpu_view_install(const char* ns, const char* name) {
   }
 }
 
-void torchtpu_fast_set_strict(int on) { strict_mode.store(on != 0); }
+// The eager mode the kernels serve: 0 strict, 1 defer, -1 any other (the Python kernels).
+void torchtpu_fast_set_mode(int mode) { eager_mode.store(mode == kStrict || mode == kDefer ? mode : kOther); }
 
 void torchtpu_fast_set_precision(long long code) { precision_code.store(code); }
 
@@ -412,7 +465,9 @@ void torchtpu_fast_reset_calls() { fast_calls.store(0); }
 
 // Forget every remembered key (their executables too). Called with the GIL held.
 void torchtpu_fast_clear() {
-  for (FastKernel* kernel : kernels) kernel->cache.clear();
+  for (FastKernel* kernel : kernels) {
+    for (Cache& cache : kernel->caches) cache.clear();
+  }
 }
 
 }  // extern "C"

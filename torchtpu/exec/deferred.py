@@ -123,7 +123,48 @@ def record(call: opcall.Call) -> Any:
         return _record(call)
 
 
+def record_known(plan: opcall.Plan, *buffers: DeviceBuffer) -> list[DeviceBuffer]:
+    """Record a plain call (only new tensors out, no runtime values) of a layout recorded before:
+    what the C++ fast path does instead of the Python kernel (`fast_dispatch`). `buffers` are
+    the call's storages' buffers in the order its encoding lists them; returns the buffers of its
+    new outputs, which the fast path makes into tensors."""
+    call = _KnownCall(plan, buffers)
+    with _state.lock:
+        _, new, host = _append(call)
+        _after_record(host)
+    return new
+
+
+class _KnownCall:
+    """What `_append` reads of a call, for a call the fast path hands over."""
+
+    __slots__ = ("key", "plan", "buffers", "dynamic", "device")
+
+    def __init__(self, plan: opcall.Plan, buffers: tuple[DeviceBuffer, ...]) -> None:
+        self.key = plan.key
+        self.plan = plan
+        self.buffers = buffers
+        self.dynamic = ()
+        self.device = plan.device
+
+
 def _record(call: opcall.Call) -> Any:
+    program, new, host = _append(call)
+    tensors = [whole_tensor(buffer, spec.sizes, spec.strides) for buffer, spec in zip(new, program.new)]
+    result = opcall.assemble(program.result, call, tensors, host)
+    _after_record(host)
+    return result
+
+
+def _after_record(host: list) -> None:
+    """Run the pending graph once it reached its size cap (unless the call just ran it)."""
+    if len(_state.graph.nodes) >= MAX_PENDING_OPS and not host:
+        flush("size cap")
+
+
+def _append(call) -> tuple[opcall.Program, list[DeviceBuffer], list]:
+    """Append `call` to the pending graph: its Program, its new outputs' buffers (promises) and
+    its host values (read at once: the graph runs first)."""
     pending = _state.graph.nodes
     if (
         len(pending) >= MIN_LOOP_OPS
@@ -182,16 +223,13 @@ def _record(call: opcall.Call) -> Any:
         promise = Pending(graph, node_index, n_written + j, *shapes[n_written + j])
         buffer = DeviceBuffer(spec.dtype, spec.numel, call.device, promise)
         graph.owners.append(weakref.ref(buffer))
-        new.append(whole_tensor(buffer, spec.sizes, spec.strides))
+        new.append(buffer)
     n_host = len(shapes) - n_written - len(program.new) - len(program.checks)
     host = []
     if n_host:
         flush("host value")
         host = [np.asarray(v).item() for v in _host_values(node_index)]
-    result = opcall.assemble(program.result, call, new, host)
-    if len(graph.nodes) >= MAX_PENDING_OPS and not n_host:
-        flush("size cap")
-    return result
+    return program, new, host
 
 
 _host_results: dict[int, list] = {}

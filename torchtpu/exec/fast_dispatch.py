@@ -1,17 +1,19 @@
-"""Strict eager's fast path: repeated op calls run from a C++ kernel (`csrc/fast_dispatch.cpp`).
+"""The eager modes' fast path: repeated op calls done from a C++ kernel (`csrc/fast_dispatch.cpp`).
 
 A strict eager call whose layout an earlier call already compiled spends most of its ~16 us in
 Python -- PyTorch's dispatch into the Python kernel, reading the arguments, making the output
-tensor -- around a ~4 us call of the jitted executable. For every op with a lowering whose
-arguments the C++ kernel can read (tensors, numbers, int lists, None; no tensor lists, nothing
-written in place), that kernel is registered for PrivateUse1 and the Python kernel moves to
-PrivateUse2. The C++ kernel keys each call by its layout; the first call of a key goes to the
-Python kernel, which encodes, compiles and runs it as always and notes what it ran
-(`note`); `learn` then tells the C++ kernel whether the call was *plain* -- one cached
-executable of exactly the call's storages, nothing written, no dynamic values, no device-side
-checks, only new tensors out -- and if so, later calls with that key run the executable from C++.
-Everything else (other eager modes, views with offsets, unwritten storages, sharded buffers,
-errors) takes the Python kernel, which stays the one definition of what an op does.
+tensor -- around a ~4 us call of the jitted executable; a deferred call likewise around its
+recording. For every op with a lowering whose arguments the C++ kernel can read (tensors,
+numbers, int lists, None; no tensor lists, nothing written in place), that kernel is registered
+for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its
+layout, per eager mode; the first call of a key goes to the Python kernel, which encodes and
+runs (or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
+whether the call was *plain* -- one Program of exactly the call's storages, nothing written, no
+dynamic values, no device-side checks, only new tensors out -- and if so, later calls with that
+key are done from C++: in strict mode it runs the cached executable, in defer mode it records the
+call's plan (`deferred.record_known`). Everything else (the debug mode, views with offsets,
+unwritten storages, sharded buffers, errors) takes the Python kernel, which stays the one
+definition of what an op does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`).
@@ -37,6 +39,7 @@ from torchtpu.exec import modes
 
 _library: ctypes.PyDLL | None = None
 _tried = False
+_SERVED = {"strict": 0, "defer": 1}  # the modes the C++ kernel serves, by its code for them
 
 
 class _Noted(threading.local):
@@ -60,6 +63,7 @@ def enabled() -> bool:
 
 def _load() -> ctypes.PyDLL | None:
     from torchtpu import native
+    from torchtpu.exec import deferred
 
     try:
         library = native.load("fast_dispatch", python=True)
@@ -72,15 +76,16 @@ def _load() -> ctypes.PyDLL | None:
             stacklevel=3,
         )
         return None
-    library.torchtpu_fast_init.argtypes = [ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_longlong]
+    library.torchtpu_fast_init.argtypes = [ctypes.py_object] * 4 + [ctypes.c_longlong]
     library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
     library.torchtpu_view_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     library.torchtpu_fast_calls.restype = ctypes.c_longlong
     library.torchtpu_fast_set_precision.argtypes = [ctypes.c_longlong]
-    library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn,
+    library.torchtpu_fast_set_mode.argtypes = [ctypes.c_int]
+    library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn, deferred.record_known,
                                storage.ADDRESS_CHUNK)
-    modes.on_change.append(lambda mode: library.torchtpu_fast_set_strict(int(mode == "strict")))
-    library.torchtpu_fast_set_strict(int(modes.current() == "strict"))
+    modes.on_change.append(lambda mode: library.torchtpu_fast_set_mode(_SERVED.get(mode, -1)))
+    library.torchtpu_fast_set_mode(_SERVED.get(modes.current(), -1))
     precision.on_change.append(lambda mode: library.torchtpu_fast_set_precision(precision.MODES.index(mode)))
     library.torchtpu_fast_set_precision(precision.MODES.index(precision.get_mode()))
     counters.add_source(lambda: {"eager_fast_calls": library.torchtpu_fast_calls()},
@@ -126,16 +131,23 @@ def note(op: OpOverload, call) -> None:
 
 
 def _learn(op: OpOverload) -> tuple | None:
-    """What the C++ kernel may run for the key of `op`'s call that the Python kernel just ran:
-    (jitted, device, outputs), or None when that call was not plain."""
+    """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
+    the current mode: (jitted executable in strict mode or the call's plan in defer mode, device,
+    outputs), or None when that call was not plain."""
     noted, _noted.call = _noted.call, None
-    if noted is None or noted[0] is not op or not noted[2] or modes.current() != "strict":
+    mode = modes.current()
+    if noted is None or noted[0] is not op or not noted[2] or noted[1] is None or mode not in _SERVED:
         return None
     plan = noted[1]
-    exe = plan.executable if plan is not None else None
-    if exe is None or exe.sharded or not exe.all_inputs:
-        return None
-    program = exe.program
+    if mode == "strict":
+        exe = plan.executable
+        if exe is None or exe.sharded or not exe.all_inputs:
+            return None
+        runner, program = exe.jitted, exe.program
+    else:
+        runner, program = plan, plan.program
+        if program is None:
+            return None
     n = len(program.new)
     if program.written or program.checks or n != len(op._schema.returns):
         return None
@@ -143,7 +155,7 @@ def _learn(op: OpOverload) -> tuple | None:
         return None
     outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
                for spec in program.new]
-    return exe.jitted, plan.device, outputs
+    return runner, plan.device, outputs
 
 
 def clear() -> None:

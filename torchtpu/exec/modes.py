@@ -25,7 +25,7 @@ def _check(mode: str) -> str:
 
 
 _mode = _check(os.environ.get("TORCHTPU_EAGER_MODE", "strict") or "strict")
-# Called with the new mode after every switch (the C++ fast path runs in strict mode only).
+# Called with the new mode after every switch (the C++ fast path serves strict and defer only).
 on_change: list[Callable[[str], None]] = []
 
 

@@ -1,7 +1,7 @@
 """The eager modes' C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run
 (strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives; every call that is
-not plain -- other static values, views with offsets, another matmul precision, the debug mode --
-still gets its own program; an error while recording from C++ is the call's error."""
+not plain -- other static or Scalar values, views with offsets, another matmul precision, the
+debug mode -- still gets its own program; an error while recording from C++ is the call's error."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ PLAIN_CALLS = [
     ("max over a dim: two outputs", lambda a, b: torch.max(a, dim=0), 1),
     ("a storage used twice", lambda a, b: a * a, 1),
     ("where of three tensors", lambda a, b: torch.where(a > b, a, b), 2),
+    ("add with an alpha passed at run time", lambda a, b: torch.add(a, b, alpha=2.5), 1),
+    ("relu's gradient: a threshold passed at run time", lambda a, b: torch.ops.aten.threshold_backward(a, b, 0.0), 1),
 ]
 
 
@@ -122,11 +124,26 @@ def test_outputs_are_ordinary_tpu_tensors():
     assert torch.tpu.memory_allocated() == before - 3 * 4 * 6 * 4
 
 
-def test_scalar_values_passed_at_run_time_take_the_python_path():
+def test_scalar_values_passed_at_run_time_are_keyed_by_value():
     a, b = torch.randn(3, 3), torch.randn(3, 3)
-    for alpha in (2, 3, 2.5, 2):
-        _check(lambda x, y: torch.add(x, y, alpha=alpha), a, b, fast=False)
-        _check(lambda x, y: x * alpha, a, b, fast=False)
+    for alpha in (2, 3, 2.5):  # each value's first call teaches the fast path that value
+        _check(lambda x, y: torch.add(x, y, alpha=alpha), a, b)
+        _check(lambda x, y: x * alpha, a, b, fast=False)  # a number wrapped as a CPU tensor
+    _check(lambda x, y: torch.add(x, y, alpha=2), a, b, repeats=2, ops=2)  # known: both calls fast
+
+
+def test_a_process_exits_cleanly_after_fast_calls_with_runtime_values():
+    code = (
+        "import torch, torchtpu\n"
+        "a = torch.randn(3, 3).to('tpu')\n"
+        "for mode in ('strict', 'defer'):\n"
+        "    with torchtpu.eager_mode(mode):\n"
+        "        for _ in range(3):\n"
+        "            torch.add(a, a, alpha=2.5).cpu()\n"
+        "assert torchtpu.metrics()['eager_fast_calls'] == 4, torchtpu.metrics()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TORCHTPU_DEVICE_LOCK="0"), check=True,
+                   timeout=300)
 
 
 def test_static_values_are_part_of_the_key():

@@ -6,11 +6,12 @@
 // op's plan table, but only after PyTorch's dispatch into Python and a pass over the arguments
 // in Python (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the
 // Python kernel to PrivateUse2. Each call's layout becomes a key; a key whose call the Python
-// kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran and
-// its output geometry, and later calls with the key do it from here, new tensors out: in strict
-// mode the jitted executable runs on the storages' device arrays; in defer mode the call's plan
-// is recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
-// buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
+// kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the
+// Scalar values its program took at run time (the key holds them) and its output geometry, and
+// later calls with the key do it from here, new tensors out: in strict mode the jitted executable
+// runs on the storages' device arrays and those values; in defer mode the call's plan is recorded
+// into the pending graph (`deferred.record_known`, one Python call) on the storages' buffers.
+// Each mode learns its own keys. Anything else -- another eager mode, an unknown or
 // non-plain key, a storage without a value -- redispatches to the Python kernel, which is the
 // one definition of what an op does.
 #include <Python.h>
@@ -48,7 +49,7 @@ PyObject* sharded_attr = nullptr;   // DeviceBuffer.sharded
 PyObject* new_buffer = nullptr;     // DeviceBuffer(dtype, numel, device, value)
 PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new address range
 PyObject* learn = nullptr;          // learn(op) -> None or what the op's last call ran (see .py)
-PyObject* record_known = nullptr;   // record_known(plan, *buffers) -> the new outputs' buffers
+PyObject* record_known = nullptr;   // record_known(plan, values, *buffers) -> the new outputs' buffers
 int64_t address_chunk = 0;
 
 struct Gil {
@@ -92,6 +93,9 @@ struct Executable {
   // The jitted executable (strict) or the call's plan (defer); nullptr: the Python kernel
   // handles this key.
   PyObject* runner = nullptr;
+  // The call's Scalar arguments that its program takes at run time (a tuple): the key holds
+  // their values, so every call of the key passes the ones its first call passed.
+  PyObject* values = nullptr;
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;
   std::vector<Output> outputs;
@@ -101,6 +105,7 @@ struct Executable {
   Executable& operator=(const Executable&) = delete;
   ~Executable() {
     Py_XDECREF(runner);
+    Py_XDECREF(values);
     Py_XDECREF(device);
     for (Output& out : outputs) {
       Py_XDECREF(out.dtype);
@@ -218,11 +223,11 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
   return true;
 }
 
-// What `learn` reported for a plain call: (jitted executable or plan, device, [(dtype, numel,
-// sizes, strides, nbytes), ...]).
+// What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
+// [(dtype, numel, sizes, strides, nbytes), ...]).
 bool read_executable(PyObject* info, Executable& exe) {
-  PyObject *runner, *device, *outputs;
-  if (!PyArg_ParseTuple(info, "OOO", &runner, &device, &outputs)) return false;
+  PyObject *runner, *values, *device, *outputs;
+  if (!PyArg_ParseTuple(info, "OO!OO", &runner, &PyTuple_Type, &values, &device, &outputs)) return false;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
   for (Py_ssize_t i = 0; i < PyList_Size(outputs); ++i) {
     PyObject *dtype, *sizes, *strides;
@@ -246,8 +251,10 @@ bool read_executable(PyObject* info, Executable& exe) {
     exe.outputs.push_back(std::move(out));
   }
   Py_INCREF(runner);
+  Py_INCREF(values);
   Py_INCREF(device);
   exe.runner = runner;
+  exe.values = values;
   exe.device = device;
   return !PyErr_Occurred();
 }
@@ -296,17 +303,19 @@ struct FastKernel final : public c10::OperatorKernel {
 
   // Do a known plain call from here: kDone; kDeclined (the stack unchanged) when the Python
   // kernel must; kFailed (a Python error set) when the call failed after it was recorded. Strict
-  // runs the executable on the storages' arrays, whose results become new buffers; defer records
-  // the plan on the storages' buffers, which gives the new buffers. Needs the GIL.
+  // runs the executable on the storages' arrays and the runtime values, whose results become new
+  // buffers; defer records the plan on the storages' buffers, which gives the new buffers. Needs
+  // the GIL.
   Outcome run(const Executable& exe, std::vector<PyObject*>& values, int mode, size_t n, torch::jit::Stack* stack) {
-    PyObject* outs;
+    // Borrowed references: `values` (released by the caller) and `exe`'s own.
+    std::vector<PyObject*> args;
+    if (mode == kDefer) args = {exe.runner, exe.values};
+    args.insert(args.end(), values.begin(), values.end());
     if (mode == kStrict) {
-      outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
-    } else {
-      values.insert(values.begin(), exe.runner);  // borrowed: not released with the buffers
-      outs = PyObject_Vectorcall(record_known, values.data(), values.size(), nullptr);
-      values.erase(values.begin());
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(exe.values); ++i) args.push_back(PyTuple_GET_ITEM(exe.values, i));
     }
+    PyObject* outs = PyObject_Vectorcall(mode == kStrict ? exe.runner : record_known, args.data(), args.size(),
+                                         nullptr);
     if (outs == nullptr) {
       if (mode == kDefer) return kFailed;
       PyErr_Clear();  // the Python kernel runs the call again and reports what went wrong

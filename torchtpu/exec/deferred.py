@@ -123,12 +123,12 @@ def record(call: opcall.Call) -> Any:
         return _record(call)
 
 
-def record_known(plan: opcall.Plan, *buffers: DeviceBuffer) -> list[DeviceBuffer]:
-    """Record a plain call (only new tensors out, no runtime values) of a layout recorded before:
-    what the C++ fast path does instead of the Python kernel (`fast_dispatch`). `buffers` are
-    the call's storages' buffers in the order its encoding lists them; returns the buffers of its
-    new outputs, which the fast path makes into tensors."""
-    call = _KnownCall(plan, buffers)
+def record_known(plan: opcall.Plan, values: tuple, *buffers: DeviceBuffer) -> list[DeviceBuffer]:
+    """Record a plain call (only new tensors out) of a layout recorded before: what the C++ fast
+    path does instead of the Python kernel (`fast_dispatch`). `values` are its runtime Scalar
+    values, `buffers` its storages' buffers in the order its encoding lists them; returns the
+    buffers of its new outputs, which the fast path makes into tensors."""
+    call = _KnownCall(plan, values, buffers)
     with _state.lock:
         _, new, host = _append(call)
         _after_record(host)
@@ -140,11 +140,11 @@ class _KnownCall:
 
     __slots__ = ("key", "plan", "buffers", "dynamic", "device")
 
-    def __init__(self, plan: opcall.Plan, buffers: tuple[DeviceBuffer, ...]) -> None:
+    def __init__(self, plan: opcall.Plan, values: tuple, buffers: tuple[DeviceBuffer, ...]) -> None:
         self.key = plan.key
         self.plan = plan
         self.buffers = buffers
-        self.dynamic = ()
+        self.dynamic = values
         self.device = plan.device
 
 

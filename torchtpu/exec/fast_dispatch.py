@@ -9,8 +9,9 @@ for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys 
 layout, per eager mode; the first call of a key goes to the Python kernel, which encodes and
 runs (or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
 whether the call was *plain* -- one Program of exactly the call's storages, nothing written, no
-dynamic values, no device-side checks, only new tensors out -- and if so, later calls with that
-key are done from C++: in strict mode it runs the cached executable, in defer mode it records the
+device-side checks, only new tensors out, no runtime values but Scalar arguments (whose values the
+key holds, so later calls pass the ones this call passed), not random -- and if so, later calls
+with that key are done from C++: in strict mode it runs the cached executable, in defer mode it records the
 call's plan (`deferred.record_known`). Everything else (the debug mode, views with offsets,
 unwritten storages, sharded buffers, errors) takes the Python kernel, which stays the one
 definition of what an op does.
@@ -25,6 +26,7 @@ calls the C++ kernel ran.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -40,10 +42,12 @@ from torchtpu.exec import modes
 _library: ctypes.PyDLL | None = None
 _tried = False
 _SERVED = {"strict": 0, "defer": 1}  # the modes the C++ kernel serves, by its code for them
+_KEYED_NUMBERS = (bool, int, float)  # Scalar values the C++ key holds
 
 
 class _Noted(threading.local):
-    """The last call each thread's Python kernels ran: (op, plan, had dynamic values)."""
+    """The last call each thread's Python kernels ran: (op, plan, its runtime values, or None
+    for a random op, whose values are fresh every call)."""
 
     call: tuple | None = None
 
@@ -90,6 +94,9 @@ def _load() -> ctypes.PyDLL | None:
     library.torchtpu_fast_set_precision(precision.MODES.index(precision.get_mode()))
     counters.add_source(lambda: {"eager_fast_calls": library.torchtpu_fast_calls()},
                         library.torchtpu_fast_reset_calls)
+    # The kernels' caches own Python objects: release them while the interpreter still runs (the
+    # library's static destructors run after it has finalized, without a thread state).
+    atexit.register(library.torchtpu_fast_clear)
     return library
 
 
@@ -127,16 +134,21 @@ def install_view(op: OpOverload) -> None:
 
 def note(op: OpOverload, call) -> None:
     """Called by a Python kernel of an installed op after it ran `call`, for `_learn`."""
-    _noted.call = (op, call.plan, not call.dynamic)
+    _noted.call = (op, call.plan, None if call.lowering.random else tuple(call.dynamic))
 
 
 def _learn(op: OpOverload) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
-    the current mode: (jitted executable in strict mode or the call's plan in defer mode, device,
-    outputs), or None when that call was not plain."""
+    the current mode: (jitted executable in strict mode or the call's plan in defer mode, its
+    runtime values, device, outputs), or None when that call was not plain. The runtime values
+    must be Scalar arguments' numbers, which the C++ key holds (not view offsets, which it does
+    not read, nor host values)."""
     noted, _noted.call = _noted.call, None
     mode = modes.current()
-    if noted is None or noted[0] is not op or not noted[2] or noted[1] is None or mode not in _SERVED:
+    if noted is None or noted[0] is not op or noted[1] is None or noted[2] is None or mode not in _SERVED:
+        return None
+    values = noted[2]
+    if any(type(v) not in _KEYED_NUMBERS for v in values):
         return None
     plan = noted[1]
     if mode == "strict":
@@ -155,7 +167,7 @@ def _learn(op: OpOverload) -> tuple | None:
         return None
     outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
                for spec in program.new]
-    return runner, plan.device, outputs
+    return runner, values, plan.device, outputs
 
 
 def clear() -> None:

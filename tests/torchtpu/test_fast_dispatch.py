@@ -49,6 +49,7 @@ PLAIN_CALLS = [
     ("a storage used twice", lambda a, b: a * a, 1),
     ("where of three tensors", lambda a, b: torch.where(a > b, a, b), 2),
     ("add with an alpha passed at run time", lambda a, b: torch.add(a, b, alpha=2.5), 1),
+    ("a Python number as a tensor", lambda a, b: a * 2.5 - 1, 2),
     ("relu's gradient: a threshold passed at run time", lambda a, b: torch.ops.aten.threshold_backward(a, b, 0.0), 1),
 ]
 
@@ -128,8 +129,22 @@ def test_scalar_values_passed_at_run_time_are_keyed_by_value():
     a, b = torch.randn(3, 3), torch.randn(3, 3)
     for alpha in (2, 3, 2.5):  # each value's first call teaches the fast path that value
         _check(lambda x, y: torch.add(x, y, alpha=alpha), a, b)
-        _check(lambda x, y: x * alpha, a, b, fast=False)  # a number wrapped as a CPU tensor
+        _check(lambda x, y: x * alpha, a, b)  # a Python number wrapped as a tensor
     _check(lambda x, y: torch.add(x, y, alpha=2), a, b, repeats=2, ops=2)  # known: both calls fast
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_numbers_that_change_between_calls_give_each_calls_result(mode):
+    a, n = torch.randn(4, 5), torch.randint(0, 9, (4, 5))
+    ta, tn = a.to("tpu"), n.to("tpu")
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for value in (1, 2, 1, 2.5, 1.0, 2, 2.5, -0.0, 0.0, True, False, True):
+            torch.testing.assert_close((ta * value).cpu(), a * value)
+            torch.testing.assert_close((tn + value).cpu(), n + value)
+            if not isinstance(value, bool):  # a bool alpha needs bool tensors
+                torch.testing.assert_close(torch.add(ta, ta, alpha=value).cpu(), torch.add(a, a, alpha=value))
+    assert _fast_calls() - before == 4 + 4 + 3  # the repeats of 1, 2, 2.5 and True, in C++
 
 
 def test_a_process_exits_cleanly_after_fast_calls_with_runtime_values():

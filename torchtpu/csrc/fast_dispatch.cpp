@@ -7,11 +7,11 @@
 // in Python (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the
 // Python kernel to PrivateUse2. Each call's layout becomes a key; a key whose call the Python
 // kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the
-// Scalar values its program took at run time (the key holds them) and its output geometry, and
-// later calls with the key do it from here, new tensors out: in strict mode the jitted executable
-// runs on the storages' device arrays and those values; in defer mode the call's plan is recorded
-// into the pending graph (`deferred.record_known`, one Python call) on the storages' buffers.
-// Each mode learns its own keys. Anything else -- another eager mode, an unknown or
+// Scalar and wrapped-number values its program took at run time (the key holds them) and its
+// output geometry, and later calls with the key do it from here, new tensors out: in strict mode
+// the jitted executable runs on the storages' device arrays and those values; in defer mode the
+// call's plan is recorded into the pending graph (`deferred.record_known`, one Python call) on
+// the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
 // non-plain key, a storage without a value -- redispatches to the Python kernel, which is the
 // one definition of what an op does.
 #include <Python.h>
@@ -139,6 +139,22 @@ bool layout_of(const torch::jit::Stack& stack, size_t n, Key& key, std::vector<c
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) {
         key.push_back(-1);
+        continue;
+      }
+      if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+        // A Python number standing for a tensor (`x * 3`), which the program takes at run time:
+        // keyed by its type and value, as a Scalar argument is.
+        if (t.scalar_type() == at::kDouble) {
+          int64_t bits;
+          std::memcpy(&bits, t.const_data_ptr<double>(), sizeof bits);
+          key.insert(key.end(), {7, bits});
+        } else if (t.scalar_type() == at::kLong) {
+          key.insert(key.end(), {8, *t.const_data_ptr<int64_t>()});
+        } else if (t.scalar_type() == at::kBool) {
+          key.insert(key.end(), {9, *t.const_data_ptr<bool>()});
+        } else {
+          return false;
+        }
         continue;
       }
       if (!t.is_privateuseone() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_conj() ||

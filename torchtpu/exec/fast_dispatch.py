@@ -6,12 +6,13 @@ tensor -- around a ~4 us call of the jitted executable; a deferred call likewise
 recording. For every op with a lowering whose arguments the C++ kernel can read (tensors,
 numbers, int lists, None; no tensor lists, nothing written in place), that kernel is registered
 for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its
-layout, per eager mode; the first call of a key goes to the Python kernel, which encodes and
-runs (or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
+layout, per eager mode, with the value of every Scalar argument and every Python number passed
+as a tensor (`x * 3`); the first call of a key goes to the Python kernel, which encodes and runs
+(or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
 whether the call was *plain* -- one Program of exactly the call's storages, nothing written, no
-device-side checks, only new tensors out, no runtime values but Scalar arguments (whose values the
-key holds, so later calls pass the ones this call passed), not random -- and if so, later calls
-with that key are done from C++: in strict mode it runs the cached executable, in defer mode it records the
+device-side checks, only new tensors out, not random, no runtime values but those numbers (so
+later calls of the key pass the ones this call passed) -- and if so, later calls with that key
+are done from C++: in strict mode it runs the cached executable, in defer mode it records the
 call's plan (`deferred.record_known`). Everything else (the debug mode, views with offsets,
 unwritten storages, sharded buffers, errors) takes the Python kernel, which stays the one
 definition of what an op does.
@@ -42,7 +43,7 @@ from torchtpu.exec import modes
 _library: ctypes.PyDLL | None = None
 _tried = False
 _SERVED = {"strict": 0, "defer": 1}  # the modes the C++ kernel serves, by its code for them
-_KEYED_NUMBERS = (bool, int, float)  # Scalar values the C++ key holds
+_KEYED_NUMBERS = (bool, int, float)  # the runtime values the C++ key holds
 
 
 class _Noted(threading.local):
@@ -141,8 +142,8 @@ def _learn(op: OpOverload) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
     the current mode: (jitted executable in strict mode or the call's plan in defer mode, its
     runtime values, device, outputs), or None when that call was not plain. The runtime values
-    must be Scalar arguments' numbers, which the C++ key holds (not view offsets, which it does
-    not read, nor host values)."""
+    must be numbers the C++ key holds: Scalar arguments and Python numbers passed as tensors (not
+    view offsets, which it does not read, nor the values of host tensors)."""
     noted, _noted.call = _noted.call, None
     mode = modes.current()
     if noted is None or noted[0] is not op or noted[1] is None or noted[2] is None or mode not in _SERVED:

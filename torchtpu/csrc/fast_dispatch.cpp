@@ -48,7 +48,7 @@ PyObject* untyped_attr = nullptr;   // DeviceBuffer.untyped
 PyObject* sharded_attr = nullptr;   // DeviceBuffer.sharded
 PyObject* new_buffer = nullptr;     // DeviceBuffer(dtype, numel, device, value)
 PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new address range
-PyObject* learn = nullptr;          // learn(op) -> None or what the op's last call ran (see .py)
+PyObject* learn = nullptr;          // learn(op, mode) -> None or what the op's last call did (see .py)
 PyObject* record_known = nullptr;   // record_known(plan, values, *buffers) -> the new outputs' buffers
 int64_t address_chunk = 0;
 
@@ -385,7 +385,7 @@ struct FastKernel final : public c10::OperatorKernel {
   // the key is not plain (in that mode).
   void remember(Key key, int mode) {
     Gil gil;
-    PyObject* info = PyObject_CallOneArg(learn, op);
+    PyObject* info = PyObject_CallFunction(learn, "Oi", op, mode);
     if (info == nullptr) {
       PyErr_Clear();
       return;

@@ -11,9 +11,9 @@
 // output geometry, and later calls with the key do it from here, new tensors out: in strict mode
 // the jitted executable runs on the storages' device arrays and those values; in defer mode the
 // call's plan is recorded into the pending graph (`deferred.record_known`, one Python call) on
-// the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
-// non-plain key, a storage without a value -- redispatches to the Python kernel, which is the
-// one definition of what an op does.
+// the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an
+// unknown or non-plain key, a storage without a value -- redispatches to the Python kernel,
+// which is the one definition of what an op does.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -93,8 +93,8 @@ struct Executable {
   // The jitted executable (strict) or the call's plan (defer); nullptr: the Python kernel
   // handles this key.
   PyObject* runner = nullptr;
-  // The call's Scalar arguments that its program takes at run time (a tuple): the key holds
-  // their values, so every call of the key passes the ones its first call passed.
+  // The values its program takes at run time (a tuple): Scalar arguments and Python numbers
+  // passed as tensors, which the key holds, so every call of the key passes its first call's.
   PyObject* values = nullptr;
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;

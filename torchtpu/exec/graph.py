@@ -53,16 +53,6 @@ def _meta(value: Any) -> Any:
     return value
 
 
-def unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """ATen overloads in `gm` that have no lowering (the compiler runs them outside its programs)."""
-    missing = [
-        str(node.target)
-        for node in gm.graph.nodes
-        if node.op == "call_function" and isinstance(node.target, OpOverload) and not is_lowered(node)
-    ]
-    return sorted(set(missing))
-
-
 def is_lowered(node: torch.fx.Node) -> bool:
     """Whether `interpret` can run ATen node `node`: its op has a lowering, or is one of the
     few it evaluates itself (size queries, `copy_` into a graph input)."""

@@ -36,27 +36,24 @@ def _host_scalar(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dim() == 0
 
 
+def _unlowered(node: torch.fx.Node) -> bool:
+    """Whether `node` is an ATen call that no program runs for want of a lowering."""
+    return node.op == "call_function" and isinstance(node.target, OpOverload) and not fx_graph.is_lowered(node)
+
+
 def needs_split(gm: torch.fx.GraphModule) -> bool:
     """Whether `gm` has a node that no program can run: an op without a lowering, or a value
     that is a host tensor other than a 0-dim one."""
-    if fx_graph.unsupported_ops(gm):
-        return True
     return any(
-        t.device.type != "tpu" and not _host_scalar(t)
+        _unlowered(node) or any(t.device.type != "tpu" and not _host_scalar(t) for t in _tensors(node.meta.get("val")))
         for node in gm.graph.nodes
-        for t in _tensors(node.meta.get("val"))
     )
 
 
 def missing_lowerings(gm: torch.fx.GraphModule) -> list[str]:
     """The ops of `gm` that stay out of its programs only for want of a lowering (not the ones
     on host tensors, nor copies between devices)."""
-    return sorted({
-        str(node.target)
-        for node in gm.graph.nodes
-        if node.op == "call_function" and isinstance(node.target, OpOverload) and not fx_graph.is_lowered(node)
-        and _on_tpu(node)
-    })
+    return sorted({str(node.target) for node in gm.graph.nodes if _unlowered(node) and _on_tpu(node)})
 
 
 def _on_tpu(node: torch.fx.Node) -> bool:

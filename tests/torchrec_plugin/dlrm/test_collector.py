@@ -23,12 +23,14 @@ def test_freezes_when_told_and_unfreezes_on_exit():
 
 
 def test_leaves_a_callers_frozen_objects_alone():
+    # Frozen objects can still die (by reference count, on any thread), so the count may drop
+    # a little; freezing again would add every live object, unfreezing would empty it.
     gc.freeze()
     try:
         before = gc.get_freeze_count()
         with _collector_spares_warm_objects() as after_warmup:
             after_warmup()
-            assert gc.get_freeze_count() == before
-        assert gc.get_freeze_count() == before
+            assert before - 100 < gc.get_freeze_count() <= before
+        assert before - 100 < gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()

@@ -1,5 +1,6 @@
 """The eager modes' C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run
-(strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives; every call that is
+(strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives, in-place ones
+updating `self`'s storage; every call that is
 not plain -- other static or Scalar values, views with offsets, another matmul precision, the
 debug mode -- still gets its own program; an error while recording from C++ is the call's error."""
 
@@ -138,6 +139,65 @@ def test_numbers_that_change_between_calls_give_each_calls_result(mode):
             if not isinstance(value, bool):  # a bool alpha needs bool tensors
                 torch.testing.assert_close(torch.add(ta, ta, alpha=value).cpu(), torch.add(a, a, alpha=value))
     assert _fast_calls() - before == 4 + 4 + 3  # the repeats of 1, 2, 2.5 and True, in C++
+
+
+IN_PLACE_CALLS = [
+    ("add_ of a tensor", lambda a, b: a.add_(b)),
+    ("mul_ by a number", lambda a, b: a.mul_(0.5)),
+    ("sub_ with an alpha", lambda a, b: a.sub_(b, alpha=-2)),
+    ("fill_", lambda a, b: a.fill_(1.5)),
+    ("relu_", lambda a, b: a.relu_()),
+    ("addcmul_ reading its own storage", lambda a, b: a.addcmul_(a, b, value=0.25)),
+    ("clamp_ of the first rows", lambda a, b: a[:3].clamp_(-0.5, 0.5)),
+    ("mul_ of a transposed view", lambda a, b: a.t().mul_(b.t())),
+]
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+@pytest.mark.parametrize("name, fn", IN_PLACE_CALLS)
+def test_repeated_in_place_calls_update_self_from_cpp(mode, name, fn):
+    shape = (5, 6) if mode == "strict" else (5, 7)  # keys of their own in each mode
+    a, b = torch.randn(shape), torch.randn(shape)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    other = ta.view(-1)  # another tensor of the same storage sees every update
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for _ in range(3):
+            want = fn(a, b)
+            got = fn(ta, tb)
+            assert got.untyped_storage().data_ptr() == ta.untyped_storage().data_ptr()
+            assert got.shape == want.shape and got.stride() == want.stride()
+            torch.testing.assert_close(got.cpu(), want)
+            torch.testing.assert_close(ta.cpu(), a)  # rows outside a view's are kept
+            torch.testing.assert_close(other.cpu(), a.view(-1))
+    torch.testing.assert_close(tb.cpu(), b)  # arguments only read are unchanged
+    assert _fast_calls() - before == 2
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_in_place_calls_from_cpp_return_self_and_count_versions(mode):
+    x = torch.randn(4, 3).to("tpu").requires_grad_()
+    with torchtpu.eager_mode(mode):
+        for _ in range(3):  # from the second on, from C++
+            y = x.exp()  # saves its output for the backward
+            version = y._version
+            assert y.add_(1) is y
+            assert y._version == version + 1
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_in_place_numbers_that_change_between_calls_give_each_calls_result(mode):
+    a = torch.randn(3, 4)
+    ta = a.to("tpu")
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for value in (2, 3, 2, 0.5, 3, 0.5):
+            a.mul_(value)
+            ta.mul_(value)
+            torch.testing.assert_close(ta.cpu(), a)
+    assert _fast_calls() - before == 3  # the repeats of 2, 3 and 0.5
 
 
 def test_a_process_exits_cleanly_after_fast_calls_with_runtime_values():

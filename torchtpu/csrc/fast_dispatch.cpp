@@ -8,10 +8,10 @@
 // Python kernel to PrivateUse2. Each call's layout becomes a key; a key whose call the Python
 // kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the
 // Scalar and wrapped-number values its program took at run time (the key holds them) and its
-// output geometry, and later calls with the key do it from here, new tensors out: in strict mode
-// the jitted executable runs on the storages' device arrays and those values; in defer mode the
-// call's plan is recorded into the pending graph (`deferred.record_known`, one Python call) on
-// the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an
+// output geometry, and later calls with the key do it from here, new tensors out (or, for an
+// in-place op, `self` updated and returned): in strict mode the jitted executable runs on the
+// storages' device arrays and those values; in defer mode the call's plan is recorded into the
+// pending graph (`deferred.record_known`, one Python call) on the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an
 // unknown or non-plain key, a storage without a value -- redispatches to the Python kernel,
 // which is the one definition of what an op does.
 #include <Python.h>
@@ -98,7 +98,10 @@ struct Executable {
   PyObject* values = nullptr;
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;
-  std::vector<Output> outputs;
+  std::vector<Output> outputs;  // the new tensors it returns
+  // An in-place update of `self` (the key's first storage), returned instead of new tensors:
+  // strict mode donates the storage's array and installs the result as its buffer's value.
+  bool updates_self = false;
 
   Executable() = default;
   Executable(const Executable&) = delete;
@@ -240,10 +243,14 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
 }
 
 // What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
-// [(dtype, numel, sizes, strides, nbytes), ...]).
+// [(dtype, numel, sizes, strides, nbytes), ...], updates self).
 bool read_executable(PyObject* info, Executable& exe) {
   PyObject *runner, *values, *device, *outputs;
-  if (!PyArg_ParseTuple(info, "OO!OO", &runner, &PyTuple_Type, &values, &device, &outputs)) return false;
+  int updates_self;
+  if (!PyArg_ParseTuple(info, "OO!OOp", &runner, &PyTuple_Type, &values, &device, &outputs, &updates_self)) {
+    return false;
+  }
+  exe.updates_self = updates_self != 0;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
   for (Py_ssize_t i = 0; i < PyList_Size(outputs); ++i) {
     PyObject *dtype, *sizes, *strides;
@@ -301,12 +308,13 @@ struct FastKernel final : public c10::OperatorKernel {
         } else {
           unknown = true;
         }
-        done = exe && exe->runner != nullptr ? run(*exe, values, mode, n, stack) : kDeclined;
+        done = exe && exe->runner != nullptr ? run(*exe, values, storages, mode, n, stack) : kDeclined;
       }
       for (PyObject* v : values) Py_DECREF(v);  // values_of may have taken some before it failed
       if (done == kFailed) {
-        // A recorded call (or a flush it caused) failed: its error is the call's, raised as it
-        // is -- running the Python kernel instead would record the call twice, or lose the error.
+        // A recorded call (or a flush it caused), or a strict call that was given `self`'s
+        // buffer, failed: its error is the call's, raised as it is -- running the Python kernel
+        // instead would record the call twice, lose the error, or read a donated buffer.
         python_error error;
         error.persist();
         throw error;
@@ -318,11 +326,13 @@ struct FastKernel final : public c10::OperatorKernel {
   }
 
   // Do a known plain call from here: kDone; kDeclined (the stack unchanged) when the Python
-  // kernel must; kFailed (a Python error set) when the call failed after it was recorded. Strict
-  // runs the executable on the storages' arrays and the runtime values, whose results become new
-  // buffers; defer records the plan on the storages' buffers, which gives the new buffers. Needs
+  // kernel must; kFailed (a Python error set) when the call failed after it was recorded or
+  // given `self`'s buffer. Strict runs the executable on the storages' arrays and the runtime
+  // values, whose results become new buffers (or `self`'s buffer's value); defer records the plan
+  // on the storages' buffers, which gives the new buffers (and makes `self`'s a promise). Needs
   // the GIL.
-  Outcome run(const Executable& exe, std::vector<PyObject*>& values, int mode, size_t n, torch::jit::Stack* stack) {
+  Outcome run(const Executable& exe, std::vector<PyObject*>& values, const std::vector<c10::StorageImpl*>& storages,
+              int mode, size_t n, torch::jit::Stack* stack) {
     // Borrowed references: `values` (released by the caller) and `exe`'s own.
     std::vector<PyObject*> args;
     if (mode == kDefer) args = {exe.runner, exe.values};
@@ -333,9 +343,19 @@ struct FastKernel final : public c10::OperatorKernel {
     PyObject* outs = PyObject_Vectorcall(mode == kStrict ? exe.runner : record_known, args.data(), args.size(),
                                          nullptr);
     if (outs == nullptr) {
-      if (mode == kDefer) return kFailed;
+      if (mode == kDefer || exe.updates_self) return kFailed;
       PyErr_Clear();  // the Python kernel runs the call again and reports what went wrong
       return kDeclined;
+    }
+    if (exe.updates_self) {
+      bool ok = mode == kDefer || install_self(storages[0], outs);
+      Py_DECREF(outs);
+      if (!ok) return kFailed;
+      at::Tensor self = (*stack)[stack->size() - n].toTensor();
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(self));
+      fast_calls.fetch_add(1, std::memory_order_relaxed);
+      return kDone;
     }
     bool ok = true;
     std::vector<at::Tensor> results;
@@ -379,6 +399,21 @@ struct FastKernel final : public c10::OperatorKernel {
     for (at::Tensor& t : results) stack->emplace_back(std::move(t));
     fast_calls.fetch_add(1, std::memory_order_relaxed);
     return kDone;
+  }
+
+  // Strict mode, in place: the executable's first output becomes the value of `self`'s buffer
+  // (whose array it was given, donated). False with a Python error set if that fails.
+  static bool install_self(c10::StorageImpl* self, PyObject* outs) {
+    PyObject* storage = self->pyobj_slot()->load_pyobj();
+    PyObject* buffer = storage == nullptr ? nullptr : PyObject_GetAttr(storage, buffer_attr);
+    PyObject* value = buffer == nullptr ? nullptr : PySequence_GetItem(outs, 0);
+    bool ok = value != nullptr && PyObject_SetAttr(buffer, value_attr, value) == 0;
+    Py_XDECREF(value);
+    Py_XDECREF(buffer);
+    if (!ok && !PyErr_Occurred()) {
+      PyErr_SetString(PyExc_RuntimeError, "torchtpu: an in-place call's storage has no device buffer");
+    }
+    return ok;
   }
 
   // After the Python kernel did a call of a key `mode` never saw: remember what it did, or that

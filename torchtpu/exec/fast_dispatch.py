@@ -4,16 +4,18 @@ A strict eager call whose layout an earlier call already compiled spends most of
 Python -- PyTorch's dispatch into the Python kernel, reading the arguments, making the output
 tensor -- around a ~4 us call of the jitted executable; a deferred call likewise around its
 recording. For every op with a lowering whose arguments the C++ kernel can read (tensors,
-numbers, int lists, None; no tensor lists, nothing written in place), that kernel is registered
-for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its
+numbers, int lists, None; no tensor lists) and that returns new tensors or updates `self` in
+place and returns it (`add_`, `mul_`, `fill_`), that kernel is registered for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its
 layout, per eager mode, with the value of every Scalar argument and every Python number passed
 as a tensor (`x * 3`); the first call of a key goes to the Python kernel, which encodes and runs
 (or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
-whether the call was *plain* -- one Program of exactly the call's storages, nothing written, no
-device-side checks, only new tensors out, not random, no runtime values but those numbers (so
-later calls of the key pass the ones this call passed) -- and if so, later calls with that key
-are done from C++: in strict mode it runs the cached executable, in defer mode it records the
-call's plan (`deferred.record_known`). Everything else (the debug mode, views with offsets,
+whether the call was *plain* -- one Program of exactly the call's storages, no device-side
+checks, only new tensors out (or, for an in-place op, only `self`'s storage written and `self`
+returned), not random, no runtime values but those numbers (so later calls of the key pass the
+ones this call passed) -- and if so, later calls with that key are done from C++: in strict mode
+it runs the cached executable (an in-place call donates `self`'s buffer to it and the result
+becomes the buffer's value, as in `eager.finish`), in defer mode it records the call's plan
+(`deferred.record_known`, which makes `self`'s buffer a promise). Everything else (the debug mode, views with offsets,
 unwritten storages, sharded buffers, errors) takes the Python kernel, which stays the one
 definition of what an op does.
 
@@ -102,13 +104,30 @@ def _load() -> ctypes.PyDLL | None:
 
 
 def readable(op: OpOverload) -> bool:
-    """Whether the C++ kernel can key `op`'s calls: arguments it reads, only new tensors out."""
+    """Whether the C++ kernel can key `op`'s calls: arguments it reads, and either only new
+    tensors out or an in-place update of `self` that returns `self` (`add_`, `fill_`)."""
     schema = op._schema
-    if schema.is_mutable or not schema.returns:
+    if not schema.returns or not all(_readable_type(a.type) for a in schema.arguments):
         return False
-    if any(not isinstance(r.type, torch.TensorType) or r.alias_info is not None for r in schema.returns):
+    if schema.is_mutable:
+        return updates_self(op)
+    return all(isinstance(r.type, torch.TensorType) and r.alias_info is None for r in schema.returns)
+
+
+def updates_self(op: OpOverload) -> bool:
+    """`op` writes its first argument, a tensor named `self`, and nothing else, and returns it."""
+    schema = op._schema
+    first = schema.arguments[0] if schema.arguments else None
+    if first is None or first.name != "self" or not isinstance(first.type, torch.TensorType):
         return False
-    return all(_readable_type(a.type) for a in schema.arguments)
+    if first.alias_info is None or not first.alias_info.is_write:
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments[1:]):
+        return False
+    if len(schema.returns) != 1:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and alias.is_write and set(alias.before_set) == set(first.alias_info.before_set)
 
 
 def _readable_type(t: Any) -> bool:
@@ -141,8 +160,8 @@ def note(op: OpOverload, call) -> None:
 def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
     the mode the kernel served it in (`mode_code`, of `_SERVED`): (jitted executable in strict
-    mode or the call's plan in defer mode, its runtime values, device, outputs), or None when that
-    call was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
+    mode or the call's plan in defer mode, its runtime values, device, new outputs, whether it
+    updates `self` in place), or None when that call was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
     key holds: Scalar arguments and Python numbers passed as tensors (not view offsets, which it
     does not read, nor the values of host tensors)."""
     noted, _noted.call = _noted.call, None
@@ -164,14 +183,20 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
         runner, program = plan, plan.program
         if program is None:
             return None
+    if program.checks:
+        return None
+    if op._schema.is_mutable:  # an in-place update of `self`: its storage comes first in the key
+        if program.written != (0,) or program.new or program.result != ("arg", 0):
+            return None
+        return runner, values, plan.device, [], True
     n = len(program.new)
-    if program.written or program.checks or n != len(op._schema.returns):
+    if program.written or n != len(op._schema.returns):
         return None
     if program.result != (("new", 0) if n == 1 else ("tuple", tuple(("new", i) for i in range(n)))):
         return None
     outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
                for spec in program.new]
-    return runner, values, plan.device, outputs
+    return runner, values, plan.device, outputs, False
 
 
 def clear() -> None:

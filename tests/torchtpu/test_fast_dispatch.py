@@ -7,6 +7,7 @@ debug mode -- still gets its own program; an error while recording from C++ is t
 from __future__ import annotations
 
 import gc
+import io
 import os
 import subprocess
 import sys
@@ -337,11 +338,30 @@ def test_views_are_made_in_cpp_and_share_their_storage():
 
 
 def test_a_call_the_fast_path_declines_holds_no_reference_to_its_arrays():
-    a = torch.randn(4, 4).to("tpu")
-    unwritten = torch.empty(4, 4, device="tpu")  # no device array yet: the Python path reads it as zeros
+    a = torch.randint(0, 9, (4, 4), dtype=torch.uint8).to("tpu")
+    saved = io.BytesIO()
+    torch.save(a, saved)
+    saved.seek(0)
+    loaded = torch.load(saved)  # raw bytes (an untyped buffer) until read as another dtype: declined
+    assert storage.buffer_of(loaded).untyped
     array = weakref.ref(storage.buffer_of(a).value)
     for _ in range(3):
-        torch.testing.assert_close((a + unwritten).cpu(), a.cpu())
+        torch.testing.assert_close((a + loaded).cpu(), a.cpu() * 2)
     a.add_(1)  # `a` gets a new array; the old one must now be free
     gc.collect()
     assert array() is None
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_storages_never_written_read_as_zeros_from_cpp(mode):
+    a = torch.randn(3, 5)
+    ta = a.to("tpu")
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for value in (1.0, 1.0, 1.0):  # `torch.ones_like`: empty, then fill_ (from C++ once known)
+            ones = torch.empty(3, 5, device="tpu").fill_(value)
+            torch.testing.assert_close(ones.cpu(), torch.ones(3, 5))
+            unwritten = torch.empty(3, 5, device="tpu")
+            torch.testing.assert_close((ta + unwritten).cpu(), a)  # fresh device memory reads as zeros
+            torch.testing.assert_close((ta + ones).cpu(), a + 1)  # a written storage: another key
+    assert _fast_calls() - before == 2 * 3

@@ -10,10 +10,11 @@
 // Scalar and wrapped-number values its program took at run time (the key holds them) and its
 // output geometry, and later calls with the key do it from here, new tensors out (or, for an
 // in-place op, `self` updated and returned): in strict mode the jitted executable runs on the
-// storages' device arrays and those values; in defer mode the call's plan is recorded into the
-// pending graph (`deferred.record_known`, one Python call) on the storages' buffers. Each mode learns its own keys. Anything else -- another eager mode, an
-// unknown or non-plain key, a storage without a value -- redispatches to the Python kernel,
-// which is the one definition of what an op does.
+// storages' device arrays (those ever written) and those values; in defer mode the call's plan
+// is recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
+// buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
+// non-plain key, a sharded or untyped storage -- redispatches to the Python kernel, which is the
+// one definition of what an op does.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -205,9 +206,11 @@ bool attr_is_true(PyObject* obj, PyObject* name) {
   return result;
 }
 
-// Each storage's device array (new references) -- with `buffers`, its DeviceBuffer instead --
-// its buffer's dtype joining the key; false if a storage has no value (a device array, or in
-// defer mode a promise of one), no element type, or is spread over devices. Needs the GIL.
+// Each written storage's device array (new references) -- with `buffers`, every storage's
+// DeviceBuffer instead -- its buffer's dtype, size and whether it was ever written joining the
+// key (an unwritten storage reads as zeros: its program makes them, and takes no array for it);
+// false if a storage has no DeviceBuffer, no element type, or is spread over devices. Needs the
+// GIL.
 bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::vector<PyObject*>& values,
                bool buffers) {
   for (c10::StorageImpl* s : storages) {
@@ -220,8 +223,8 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
     }
     PyObject* value = PyObject_GetAttr(buffer, value_attr);
     PyObject* dtype = PyObject_GetAttr(buffer, dtype_attr);
-    bool usable = value != nullptr && value != Py_None && dtype != nullptr &&
-                  !attr_is_true(buffer, untyped_attr) && !attr_is_true(buffer, sharded_attr);
+    bool usable = value != nullptr && dtype != nullptr && !attr_is_true(buffer, untyped_attr) &&
+                  !attr_is_true(buffer, sharded_attr);
     if (!usable) {
       PyErr_Clear();
       Py_DECREF(buffer);
@@ -229,14 +232,19 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
       Py_XDECREF(dtype);
       return false;
     }
-    key.insert(key.end(), {reinterpret_cast<intptr_t>(dtype), static_cast<int64_t>(s->nbytes())});
+    bool written = value != Py_None;
+    key.insert(key.end(), {reinterpret_cast<intptr_t>(dtype), static_cast<int64_t>(s->nbytes()), written});
     Py_DECREF(dtype);  // torch dtypes live as long as the process
     if (buffers) {
       Py_DECREF(value);
       values.push_back(buffer);
     } else {
       Py_DECREF(buffer);
-      values.push_back(value);
+      if (written) {
+        values.push_back(value);
+      } else {
+        Py_DECREF(value);
+      }
     }
   }
   return true;

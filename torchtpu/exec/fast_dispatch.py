@@ -5,19 +5,21 @@ Python -- PyTorch's dispatch into the Python kernel, reading the arguments, maki
 tensor -- around a ~4 us call of the jitted executable; a deferred call likewise around its
 recording. For every op with a lowering whose arguments the C++ kernel can read (tensors,
 numbers, int lists, None; no tensor lists) and that returns new tensors or updates `self` in
-place and returns it (`add_`, `mul_`, `fill_`), that kernel is registered for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its
-layout, per eager mode, with the value of every Scalar argument and every Python number passed
-as a tensor (`x * 3`); the first call of a key goes to the Python kernel, which encodes and runs
-(or records) it as always and notes what it did (`note`); `learn` then tells the C++ kernel
-whether the call was *plain* -- one Program of exactly the call's storages, no device-side
-checks, only new tensors out (or, for an in-place op, only `self`'s storage written and `self`
-returned), not random, no runtime values but those numbers (so later calls of the key pass the
-ones this call passed) -- and if so, later calls with that key are done from C++: in strict mode
-it runs the cached executable (an in-place call donates `self`'s buffer to it and the result
-becomes the buffer's value, as in `eager.finish`), in defer mode it records the call's plan
-(`deferred.record_known`, which makes `self`'s buffer a promise). Everything else (the debug mode, views with offsets,
-unwritten storages, sharded buffers, errors) takes the Python kernel, which stays the one
-definition of what an op does.
+place and returns it (`add_`, `mul_`, `fill_`), that kernel is registered for PrivateUse1 and
+the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its layout (which
+storages were ever written included), per eager mode, with the value of every Scalar argument
+and every Python number passed as a tensor (`x * 3`); the first call of a key goes to the
+Python kernel, which encodes and runs (or records) it as always and notes what it did (`note`);
+`learn` then tells the C++ kernel whether the call was *plain* -- one Program of exactly the
+call's storages, no device-side checks, only new tensors out (or, for an in-place op, only
+`self`'s storage written and `self` returned), not random, no runtime values but those numbers
+(so later calls of the key pass the ones this call passed) -- and if so, later calls with that
+key are done from C++: in strict mode it runs the cached executable on the written storages'
+arrays (an in-place call donates `self`'s array, and the result becomes its buffer's value, as
+in `eager.finish`), in defer mode it records the call's plan (`deferred.record_known`, which
+makes `self`'s buffer a promise). Everything else (the debug mode, views with offsets, sharded
+or untyped buffers, errors) takes the Python kernel, which stays the one definition of what an
+op does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`).
@@ -176,7 +178,7 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     plan = noted[1]
     if mode == "strict":
         exe = plan.executable
-        if exe is None or exe.sharded or not exe.all_inputs:
+        if exe is None or exe.sharded:  # (its inputs are the storages ever written, in order)
             return None
         runner, program = exe.jitted, exe.program
     else:

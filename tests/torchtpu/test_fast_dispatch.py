@@ -201,6 +201,28 @@ def test_in_place_numbers_that_change_between_calls_give_each_calls_result(mode)
     assert _fast_calls() - before == 3  # the repeats of 2, 3 and 0.5
 
 
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_foreach_updates_and_tensor_lists_run_from_cpp(mode):
+    params = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)]
+    grads = [torch.randn_like(p) for p in params]
+    tparams, tgrads = [p.to("tpu") for p in params], [g.to("tpu") for g in grads]
+    shared = tparams[0].t()  # another tensor of the first parameter's storage
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for _ in range(3):
+            for ps, gs in ((params, grads), (tparams, tgrads)):
+                torch._foreach_add_(ps, gs, alpha=-0.1)  # an optimizer step
+                torch._foreach_mul_(ps, 0.5)
+            for t, p in zip(tparams, params):
+                torch.testing.assert_close(t.cpu(), p)
+            torch.testing.assert_close(shared.cpu(), params[0].t())
+            stacked = torch.stack([tparams[1], tparams[1] * 2])  # a tensor list read: new tensors out
+            torch.testing.assert_close(stacked.cpu(), torch.stack([params[1], params[1] * 2]))
+    for t, g in zip(tgrads, grads):
+        torch.testing.assert_close(t.cpu(), g)
+    assert _fast_calls() - before == 2 * 4  # _foreach_add_, _foreach_mul_, mul, stack: all but the first
+
+
 def test_a_process_exits_cleanly_after_fast_calls_with_runtime_values():
     code = (
         "import torch, torchtpu\n"

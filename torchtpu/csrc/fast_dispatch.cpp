@@ -1,17 +1,17 @@
 // The eager modes' fast path: a C++ kernel in front of an op's Python kernel; and the view
 // kernels, which need no Python at all.
 //
-// An op call that repeats an earlier call's layout (same dtypes, shapes, strides, storage
-// sharing and static values) does what that call did. The Python kernel finds it through the
-// op's plan table, but only after PyTorch's dispatch into Python and a pass over the arguments
-// in Python (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the
-// Python kernel to PrivateUse2. Each call's layout becomes a key; a key whose call the Python
-// kernel reported as plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the
-// Scalar and wrapped-number values its program took at run time (the key holds them) and its
-// output geometry, and later calls with the key do it from here, new tensors out (or, for an
-// in-place op, `self` updated and returned): in strict mode the jitted executable runs on the
-// storages' device arrays (those ever written) and those values; in defer mode the call's plan
-// is recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
+// An op call that repeats an earlier call's layout (same dtypes, shapes, strides, storage sharing
+// and static values) does what that call did. The Python kernel finds it through the op's plan
+// table, but only after PyTorch's dispatch into Python and a pass over the arguments in Python
+// (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the Python kernel
+// to PrivateUse2. Each call's layout becomes a key; a key whose call the Python kernel reported as
+// plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the Scalar and
+// wrapped-number values its program took at run time (the key holds them) and its output geometry,
+// and later calls with the key do it from here, new tensors out (or, for an in-place op, `self`
+// updated -- a tensor, returned, or a list): in strict mode the jitted executable runs on the
+// storages' device arrays (those ever written) and those values; in defer mode the call's plan is
+// recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
 // buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
 // non-plain key, a sharded or untyped storage -- redispatches to the Python kernel, which is the
 // one definition of what an op does.
@@ -100,9 +100,10 @@ struct Executable {
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;
   std::vector<Output> outputs;  // the new tensors it returns
-  // An in-place update of `self` (the key's first storage), returned instead of new tensors:
-  // strict mode donates the storage's array and installs the result as its buffer's value.
-  bool updates_self = false;
+  // An in-place update of `self` (a tensor, returned, or a tensor list, `_foreach_add_`) instead
+  // of new tensors: the number of storages it writes, the key's first ones. Strict mode donates
+  // their arrays and installs its results as their buffers' values.
+  int64_t writes_self = 0;
 
   Executable() = default;
   Executable(const Executable&) = delete;
@@ -133,6 +134,44 @@ struct KeyHash {
   }
 };
 
+// A tensor's part of a call's key, its storage joining `storages` (in order of first use); false
+// when this path does not read it (a view with an offset, another device, ...).
+bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>& storages) {
+  if (!t.defined()) {
+    key.push_back(-1);
+    return true;
+  }
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    // A Python number standing for a tensor (`x * 3`), which the program takes at run time:
+    // keyed by its type and value, as a Scalar argument is.
+    if (t.scalar_type() == at::kDouble) {
+      int64_t bits;
+      std::memcpy(&bits, t.const_data_ptr<double>(), sizeof bits);
+      key.insert(key.end(), {7, bits});
+    } else if (t.scalar_type() == at::kLong) {
+      key.insert(key.end(), {8, *t.const_data_ptr<int64_t>()});
+    } else if (t.scalar_type() == at::kBool) {
+      key.insert(key.end(), {9, *t.const_data_ptr<bool>()});
+    } else {
+      return false;
+    }
+    return true;
+  }
+  if (!t.is_privateuseone() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_conj() ||
+      t.is_neg() || t.storage_offset() != 0) {
+    return false;
+  }
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  size_t index = 0;
+  while (index < storages.size() && storages[index] != s) ++index;
+  if (index == storages.size()) storages.push_back(s);
+  key.insert(key.end(), {1, static_cast<int64_t>(index), static_cast<int64_t>(t.scalar_type()),
+                         t.device().index(), t.dim()});
+  key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+  key.insert(key.end(), t.strides().begin(), t.strides().end());
+  return true;
+}
+
 // The layout part of a call's key, and its storages in order of first use; false when the call
 // has an argument this path does not read (it then always takes the Python kernel).
 bool layout_of(const torch::jit::Stack& stack, size_t n, Key& key, std::vector<c10::StorageImpl*>& storages) {
@@ -140,39 +179,13 @@ bool layout_of(const torch::jit::Stack& stack, size_t n, Key& key, std::vector<c
   for (size_t i = stack.size() - n; i < stack.size(); ++i) {
     const c10::IValue& v = stack[i];
     if (v.isTensor()) {
-      const at::Tensor& t = v.toTensor();
-      if (!t.defined()) {
-        key.push_back(-1);
-        continue;
+      if (!tensor_layout(v.toTensor(), key, storages)) return false;
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      key.insert(key.end(), {10, static_cast<int64_t>(list.size())});
+      for (const at::Tensor& t : list) {
+        if (!tensor_layout(t, key, storages)) return false;
       }
-      if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-        // A Python number standing for a tensor (`x * 3`), which the program takes at run time:
-        // keyed by its type and value, as a Scalar argument is.
-        if (t.scalar_type() == at::kDouble) {
-          int64_t bits;
-          std::memcpy(&bits, t.const_data_ptr<double>(), sizeof bits);
-          key.insert(key.end(), {7, bits});
-        } else if (t.scalar_type() == at::kLong) {
-          key.insert(key.end(), {8, *t.const_data_ptr<int64_t>()});
-        } else if (t.scalar_type() == at::kBool) {
-          key.insert(key.end(), {9, *t.const_data_ptr<bool>()});
-        } else {
-          return false;
-        }
-        continue;
-      }
-      if (!t.is_privateuseone() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || t.is_conj() ||
-          t.is_neg() || t.storage_offset() != 0) {
-        return false;
-      }
-      c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-      size_t index = 0;
-      while (index < storages.size() && storages[index] != s) ++index;
-      if (index == storages.size()) storages.push_back(s);
-      key.insert(key.end(), {1, static_cast<int64_t>(index), static_cast<int64_t>(t.scalar_type()),
-                             t.device().index(), t.dim()});
-      key.insert(key.end(), t.sizes().begin(), t.sizes().end());
-      key.insert(key.end(), t.strides().begin(), t.strides().end());
     } else if (v.isNone()) {
       key.push_back(-2);
     } else if (v.isDouble()) {
@@ -251,14 +264,14 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
 }
 
 // What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
-// [(dtype, numel, sizes, strides, nbytes), ...], updates self).
+// [(dtype, numel, sizes, strides, nbytes), ...], storages of `self` it writes in place).
 bool read_executable(PyObject* info, Executable& exe) {
   PyObject *runner, *values, *device, *outputs;
-  int updates_self;
-  if (!PyArg_ParseTuple(info, "OO!OOp", &runner, &PyTuple_Type, &values, &device, &outputs, &updates_self)) {
+  long long writes_self;
+  if (!PyArg_ParseTuple(info, "OO!OOL", &runner, &PyTuple_Type, &values, &device, &outputs, &writes_self)) {
     return false;
   }
-  exe.updates_self = updates_self != 0;
+  exe.writes_self = writes_self;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
   for (Py_ssize_t i = 0; i < PyList_Size(outputs); ++i) {
     PyObject *dtype, *sizes, *strides;
@@ -351,17 +364,18 @@ struct FastKernel final : public c10::OperatorKernel {
     PyObject* outs = PyObject_Vectorcall(mode == kStrict ? exe.runner : record_known, args.data(), args.size(),
                                          nullptr);
     if (outs == nullptr) {
-      if (mode == kDefer || exe.updates_self) return kFailed;
+      if (mode == kDefer || exe.writes_self) return kFailed;
       PyErr_Clear();  // the Python kernel runs the call again and reports what went wrong
       return kDeclined;
     }
-    if (exe.updates_self) {
-      bool ok = mode == kDefer || install_self(storages[0], outs);
+    if (exe.writes_self) {
+      bool ok = true;
+      for (int64_t i = 0; i < exe.writes_self && ok && mode == kStrict; ++i) ok = install(storages[i], outs, i);
       Py_DECREF(outs);
       if (!ok) return kFailed;
-      at::Tensor self = (*stack)[stack->size() - n].toTensor();
+      c10::IValue self = (*stack)[stack->size() - n];
       torch::jit::drop(*stack, n);
-      stack->emplace_back(std::move(self));
+      if (self.isTensor()) stack->emplace_back(std::move(self));  // a list is not returned
       fast_calls.fetch_add(1, std::memory_order_relaxed);
       return kDone;
     }
@@ -409,12 +423,13 @@ struct FastKernel final : public c10::OperatorKernel {
     return kDone;
   }
 
-  // Strict mode, in place: the executable's first output becomes the value of `self`'s buffer
-  // (whose array it was given, donated). False with a Python error set if that fails.
-  static bool install_self(c10::StorageImpl* self, PyObject* outs) {
-    PyObject* storage = self->pyobj_slot()->load_pyobj();
+  // Strict mode, in place: the executable's output `i` becomes the value of the buffer of the
+  // storage it writes (whose array it was given, donated). False with a Python error set if
+  // that fails.
+  static bool install(c10::StorageImpl* written, PyObject* outs, int64_t i) {
+    PyObject* storage = written->pyobj_slot()->load_pyobj();
     PyObject* buffer = storage == nullptr ? nullptr : PyObject_GetAttr(storage, buffer_attr);
-    PyObject* value = buffer == nullptr ? nullptr : PySequence_GetItem(outs, 0);
+    PyObject* value = buffer == nullptr ? nullptr : PySequence_GetItem(outs, static_cast<Py_ssize_t>(i));
     bool ok = value != nullptr && PyObject_SetAttr(buffer, value_attr, value) == 0;
     Py_XDECREF(value);
     Py_XDECREF(buffer);

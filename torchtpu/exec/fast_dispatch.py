@@ -3,23 +3,23 @@
 A strict eager call whose layout an earlier call already compiled spends most of its ~16 us in
 Python -- PyTorch's dispatch into the Python kernel, reading the arguments, making the output
 tensor -- around a ~4 us call of the jitted executable; a deferred call likewise around its
-recording. For every op with a lowering whose arguments the C++ kernel can read (tensors,
-numbers, int lists, None; no tensor lists) and that returns new tensors or updates `self` in
-place and returns it (`add_`, `mul_`, `fill_`), that kernel is registered for PrivateUse1 and
-the Python kernel moves to PrivateUse2. The C++ kernel keys each call by its layout (which
-storages were ever written included), per eager mode, with the value of every Scalar argument
-and every Python number passed as a tensor (`x * 3`); the first call of a key goes to the
-Python kernel, which encodes and runs (or records) it as always and notes what it did (`note`);
-`learn` then tells the C++ kernel whether the call was *plain* -- one Program of exactly the
-call's storages, no device-side checks, only new tensors out (or, for an in-place op, only
-`self`'s storage written and `self` returned), not random, no runtime values but those numbers
-(so later calls of the key pass the ones this call passed) -- and if so, later calls with that
-key are done from C++: in strict mode it runs the cached executable on the written storages'
-arrays (an in-place call donates `self`'s array, and the result becomes its buffer's value, as
-in `eager.finish`), in defer mode it records the call's plan (`deferred.record_known`, which
-makes `self`'s buffer a promise). Everything else (the debug mode, views with offsets, sharded
-or untyped buffers, errors) takes the Python kernel, which stays the one definition of what an
-op does.
+recording. For every op with a lowering whose arguments the C++ kernel can read (tensors, tensor
+lists, numbers, int lists, None) and that returns new tensors or updates `self` in place
+(`add_`, `fill_`, `_foreach_add_`), that kernel is registered for PrivateUse1 and the Python
+kernel moves to PrivateUse2. The C++ kernel keys each call by its layout (which storages were
+ever written included), per eager mode, with the value of every Scalar argument and every Python
+number passed as a tensor (`x * 3`); the first call of a key goes to the Python kernel, which
+encodes and runs (or records) it as always and notes what it did (`note`); `learn` then tells
+the C++ kernel whether the call was *plain* -- one Program of exactly the call's storages, no
+device-side checks, only new tensors out (or, for an in-place op, only `self`'s storages written
+and `self` returned, or nothing for a list), not random, no runtime values but those numbers (so
+later calls of the key pass the ones this call passed) -- and if so, later calls with that key
+are done from C++: in strict mode it runs the cached executable on the written storages' arrays
+(an in-place call donates `self`'s arrays, and the results become their buffers' values, as in
+`eager.finish`), in defer mode it records the call's plan (`deferred.record_known`, which makes
+`self`'s buffers promises). Everything else (the debug mode, views with offsets, sharded or
+untyped buffers, errors) takes the Python kernel, which stays the one definition of what an op
+does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`).
@@ -107,26 +107,29 @@ def _load() -> ctypes.PyDLL | None:
 
 def readable(op: OpOverload) -> bool:
     """Whether the C++ kernel can key `op`'s calls: arguments it reads, and either only new
-    tensors out or an in-place update of `self` that returns `self` (`add_`, `fill_`)."""
+    tensors out or an in-place update of `self` (`add_`, `fill_`, `_foreach_add_`)."""
     schema = op._schema
-    if not schema.returns or not all(_readable_type(a.type) for a in schema.arguments):
+    if not all(_readable_type(a.type) for a in schema.arguments):
         return False
     if schema.is_mutable:
         return updates_self(op)
-    return all(isinstance(r.type, torch.TensorType) and r.alias_info is None for r in schema.returns)
+    return bool(schema.returns) and all(
+        isinstance(r.type, torch.TensorType) and r.alias_info is None for r in schema.returns
+    )
 
 
 def updates_self(op: OpOverload) -> bool:
-    """`op` writes its first argument, a tensor named `self`, and nothing else, and returns it."""
+    """`op` writes its first argument, named `self`, and nothing else: a tensor that it returns,
+    or a tensor list (the `_foreach_*_` ops, which return nothing)."""
     schema = op._schema
     first = schema.arguments[0] if schema.arguments else None
-    if first is None or first.name != "self" or not isinstance(first.type, torch.TensorType):
-        return False
-    if first.alias_info is None or not first.alias_info.is_write:
+    if first is None or first.name != "self" or first.alias_info is None or not first.alias_info.is_write:
         return False
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments[1:]):
         return False
-    if len(schema.returns) != 1:
+    if isinstance(first.type, torch.ListType):
+        return isinstance(first.type.getElementType(), torch.TensorType) and not schema.returns
+    if not isinstance(first.type, torch.TensorType) or len(schema.returns) != 1:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and alias.is_write and set(alias.before_set) == set(first.alias_info.before_set)
@@ -135,8 +138,8 @@ def updates_self(op: OpOverload) -> bool:
 def _readable_type(t: Any) -> bool:
     if isinstance(t, torch.OptionalType):
         t = t.getElementType()
-    if isinstance(t, torch.ListType):
-        return isinstance(t.getElementType(), torch.IntType)
+    if isinstance(t, torch.ListType):  # int lists, and tensor lists (not of optional tensors)
+        return isinstance(t.getElementType(), (torch.IntType, torch.TensorType))
     return isinstance(t, (torch.TensorType, torch.IntType, torch.FloatType, torch.BoolType, torch.NumberType))
 
 
@@ -162,8 +165,8 @@ def note(op: OpOverload, call) -> None:
 def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
     the mode the kernel served it in (`mode_code`, of `_SERVED`): (jitted executable in strict
-    mode or the call's plan in defer mode, its runtime values, device, new outputs, whether it
-    updates `self` in place), or None when that call was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
+    mode or the call's plan in defer mode, its runtime values, device, new outputs, the number
+    of `self`'s storages it updates in place), or None when that call was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
     key holds: Scalar arguments and Python numbers passed as tensors (not view offsets, which it
     does not read, nor the values of host tensors)."""
     noted, _noted.call = _noted.call, None
@@ -187,10 +190,13 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
             return None
     if program.checks:
         return None
-    if op._schema.is_mutable:  # an in-place update of `self`: its storage comes first in the key
-        if program.written != (0,) or program.new or program.result != ("arg", 0):
+    if op._schema.is_mutable:  # an in-place update of `self`: its storages come first in the key
+        written = len(program.written)
+        if not written or program.written != tuple(range(written)) or program.new:
             return None
-        return runner, values, plan.device, [], True
+        if program.result != (("arg", 0) if op._schema.returns else ("none",)):
+            return None
+        return runner, values, plan.device, [], written
     n = len(program.new)
     if program.written or n != len(op._schema.returns):
         return None
@@ -198,7 +204,7 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
         return None
     outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
                for spec in program.new]
-    return runner, values, plan.device, outputs, False
+    return runner, values, plan.device, outputs, 0
 
 
 def clear() -> None:

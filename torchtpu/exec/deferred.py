@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -87,7 +87,8 @@ class _State:
 
 
 _state = _State()
-_executables: dict[tuple, Callable[..., Any]] = {}
+# Per graph key: the fused program, and what it returns beside the promises.
+_executables: dict[tuple, tuple[Callable[..., Any], _Extras]] = {}
 _recent_keys: list[tuple] = []
 
 
@@ -292,9 +293,29 @@ def flush(reason: str) -> None:
             _state.flushing = False
 
 
-def _run(graph: _Graph, reason: str) -> None:
-    import jax
+class _Extras(NamedTuple):
+    """What a graph returns beside its promises, which its structure alone decides: host values
+    (node, output) and device-side check flags (node, output), and the checks' messages."""
 
+    host_outputs: tuple[tuple[int, int], ...]
+    n_checks: int
+    check_messages: tuple[str, ...]
+
+
+def _extras_of(graph: _Graph) -> _Extras:
+    host = []
+    checks_out = []
+    for i, node in enumerate(graph.nodes):
+        program = node.program
+        first = len(program.written) + len(program.new)
+        n_host = _count_host(program.result)
+        host.extend((i, first + k) for k in range(n_host))
+        checks_out.extend((i, first + n_host + k) for k in range(len(program.checks)))
+    messages = tuple(m for node in graph.nodes for m in node.program.checks)
+    return _Extras(tuple(host + checks_out), len(checks_out), messages)
+
+
+def _run(graph: _Graph, reason: str) -> None:
     counters.count("defer_flushes")
     counters.count_op("defer_flush_reasons", reason)
     live: list[tuple[DeviceBuffer, Pending]] = []
@@ -307,47 +328,36 @@ def _run(graph: _Graph, reason: str) -> None:
         if isinstance(value, Pending) and value.graph is graph:
             seen.add(id(buffer))
             live.append((buffer, value))
-    host_nodes = [i for i, node in enumerate(graph.nodes) if _count_host(node.program.result)]
-    outputs = tuple(dict.fromkeys((p.node, p.index) for _, p in live))
-    host_outputs = tuple(
-        (i, len(graph.nodes[i].program.written) + len(graph.nodes[i].program.new) + k)
-        for i in host_nodes
-        for k in range(_count_host(graph.nodes[i].program.result))
-    )
-    check_outputs = tuple(
-        (i, len(node.program.written) + len(node.program.new) + _count_host(node.program.result) + k)
-        for i, node in enumerate(graph.nodes)
-        for k in range(len(node.program.checks))
-    )
-    check_messages = [m for node in graph.nodes for m in node.program.checks]
-    host_outputs = host_outputs + check_outputs
-    donate = _donatable(graph, [p for _, p in live])
     if len(graph.devices) > 1:
         raise RuntimeError(
             f"defer mode: one pending graph touches several devices {sorted(graph.devices)}; "
             "flush (torch.tpu.synchronize()) before moving work to another device"
         )
+    outputs = tuple(dict.fromkeys((p.node, p.index) for _, p in live))
+    donate = _donatable(graph, [p for _, p in live])
     device = next(iter(graph.devices))
-    key = (tuple(graph.structure), outputs, host_outputs, donate, device, len(graph.inputs))
-    executable = _executables.get(key)
-    if executable is None:
+    key = (tuple(graph.structure), outputs, donate, device, len(graph.inputs))
+    cached = _executables.get(key)
+    if cached is None:
         start = time.perf_counter()
-        executable = _compile(graph, outputs + host_outputs, donate, device)
-        _executables[key] = executable
+        extras = _extras_of(graph)
+        executable = _compile(graph, outputs + extras.host_outputs, donate, device)
+        _executables[key] = executable, extras
         counters.count("defer_compiles")
         _log_recompile([node.program.key for node in graph.nodes])
         results = executable(*graph.inputs)
         counters.add_time("defer_compile", time.perf_counter() - start)
     else:
         counters.count("defer_cache_hits")
+        executable, extras = cached
         results = executable(*graph.inputs)
     position = {ref: k for k, ref in enumerate(outputs)}
     for buffer, promise in live:
         buffer.value = results[position[(promise.node, promise.index)]]
-    n_host = len(host_outputs) - len(check_outputs)
-    for k, (node_index, _) in enumerate(host_outputs[:n_host]):
+    n_host = len(extras.host_outputs) - extras.n_checks
+    for k, (node_index, _) in enumerate(extras.host_outputs[:n_host]):
         _host_results.setdefault(node_index, []).append(results[len(outputs) + k])
-    checks.add(results[len(outputs) + n_host:], check_messages)
+    checks.add(results[len(outputs) + n_host:], extras.check_messages)
 
 
 def _donatable(graph: _Graph, promises: list[Pending]) -> tuple[int, ...]:
@@ -355,7 +365,7 @@ def _donatable(graph: _Graph, promises: list[Pending]) -> tuple[int, ...]:
     and dtype can reuse (XLA can only donate into a matching output)."""
     wanted: dict[tuple, int] = {}
     for promise in promises:
-        aval = (promise.shape, np.dtype(promise.dtype))
+        aval = (promise.shape, promise.dtype)
         wanted[aval] = wanted.get(aval, 0) + 1
     donate = []
     for index, owner in graph.input_owner.items():
@@ -363,7 +373,7 @@ def _donatable(graph: _Graph, promises: list[Pending]) -> tuple[int, ...]:
         array = graph.inputs[index]
         if buffer is not None and buffer.value is array:
             continue
-        aval = (tuple(array.shape), np.dtype(array.dtype))
+        aval = (array.shape, array.dtype)
         if wanted.get(aval, 0) > 0:
             wanted[aval] -= 1
             donate.append(index)

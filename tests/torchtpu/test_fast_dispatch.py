@@ -380,8 +380,8 @@ def test_storages_never_written_read_as_zeros_from_cpp(mode):
     ta = a.to("tpu")
     before = _fast_calls()
     with torchtpu.eager_mode(mode):
-        for value in (1.0, 1.0, 1.0):  # `torch.ones_like`: empty, then fill_ (from C++ once known)
-            ones = torch.empty(3, 5, device="tpu").fill_(value)
+        for _ in range(3):  # `torch.ones_like`: empty, then fill_ (from C++ once known)
+            ones = torch.empty(3, 5, device="tpu").fill_(1.0)
             torch.testing.assert_close(ones.cpu(), torch.ones(3, 5))
             unwritten = torch.empty(3, 5, device="tpu")
             torch.testing.assert_close((ta + unwritten).cpu(), a)  # fresh device memory reads as zeros

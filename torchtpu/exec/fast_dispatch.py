@@ -166,9 +166,10 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
     the mode the kernel served it in (`mode_code`, of `_SERVED`): (jitted executable in strict
     mode or the call's plan in defer mode, its runtime values, device, new outputs, the number
-    of `self`'s storages it updates in place), or None when that call was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
-    key holds: Scalar arguments and Python numbers passed as tensors (not view offsets, which it
-    does not read, nor the values of host tensors)."""
+    of `self`'s storages it updates in place), or None when that call was not plain (or the mode
+    changed meanwhile). The runtime values must be numbers the C++ key holds: Scalar arguments
+    and Python numbers passed as tensors (not view offsets, which it does not read, nor the
+    values of host tensors)."""
     noted, _noted.call = _noted.call, None
     mode = modes.current()
     if noted is None or noted[0] is not op or noted[1] is None or noted[2] is None:

@@ -6,6 +6,7 @@ debug mode -- still gets its own program; an error while recording from C++ is t
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import os
@@ -387,3 +388,73 @@ def test_storages_never_written_read_as_zeros_from_cpp(mode):
             torch.testing.assert_close((ta + unwritten).cpu(), a)  # fresh device memory reads as zeros
             torch.testing.assert_close((ta + ones).cpu(), a + 1)  # a written storage: another key
     assert _fast_calls() - before == 2 * 3
+
+
+# --- compiled graphs ----------------------------------------------------------------------------
+
+
+def _graph_fast_calls() -> int:
+    return torchtpu.metrics().get("compiled_fast_calls", 0)
+
+
+def test_repeated_compiled_graph_calls_run_from_cpp_and_match_cpu():
+    def f(x, w, state):
+        state.mul_(0.5)  # an input the graph writes in place
+        return (x @ w).relu().sum(dim=1), state + 1
+
+    g = torch.compile(f, backend="tpu")
+    x, w, state = torch.randn(4, 3), torch.randn(3, 5), torch.randn(4, 5)
+    tx, tw, tstate = x.to("tpu"), w.to("tpu"), state.to("tpu")
+    alias = tstate.view(-1)  # another tensor of the written storage
+    before = _graph_fast_calls()
+    with torch.tpu.precision("highest"):  # float32 products, as on the CPU
+        for _ in range(4):
+            want = f(x, w, state)
+            got = g(tx, tw, tstate)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tstate.cpu(), state)
+            torch.testing.assert_close(alias.cpu(), state.view(-1))
+    assert _graph_fast_calls() - before == 3  # every call after the first
+    torch.testing.assert_close(tx.cpu(), x)
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_compiled_training_steps_from_cpp_match_cpu(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    tmodel = copy.deepcopy(model).to("tpu")
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    tx, ty = x.to("tpu"), y.to("tpu")
+    opt, topt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(tmodel.parameters(), lr=0.1)
+    compiled = torch.compile(tmodel, backend="tpu")
+    update = torch.compile(topt.step, backend="tpu")  # writes the parameters in place
+    before = _graph_fast_calls()
+    with torch.tpu.precision("highest"), torchtpu.eager_mode(mode):
+        for _ in range(4):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            tloss = torch.nn.functional.cross_entropy(compiled(tx), ty)
+            tloss.backward()
+            update()
+            torch.testing.assert_close(tloss.cpu(), loss, rtol=1e-5, atol=1e-5)
+    for p, tp in zip(model.parameters(), tmodel.parameters()):
+        torch.testing.assert_close(tp.cpu(), p, rtol=1e-5, atol=1e-5)
+    fast = _graph_fast_calls() - before
+    assert fast == (3 * 3 if mode == "strict" else 0)  # forward, backward, update; defer records them
+
+
+def test_a_compiled_graph_call_of_another_layout_takes_the_python_path():
+    g = torch.compile(lambda a, b: (a * b).sum(0), backend="tpu", dynamic=False)
+    a = torch.randn(4, 4)
+    ta = a.to("tpu")
+    before = _graph_fast_calls()
+    for _ in range(2):
+        torch.testing.assert_close(g(ta, ta).cpu(), (a * a).sum(0))
+    torch.testing.assert_close(g(ta, ta.t()).cpu(), (a * a.t()).sum(0))  # another layout: learned now
+    with torch.tpu.precision("highest"):
+        torch.testing.assert_close(g(ta, ta).cpu(), (a * a).sum(0), rtol=1e-6, atol=1e-6)  # another key
+    assert _graph_fast_calls() - before == 1

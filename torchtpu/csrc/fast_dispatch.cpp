@@ -23,8 +23,10 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -40,6 +42,7 @@ constexpr int kOther = -1, kStrict = 0, kDefer = 1;
 std::atomic<int> eager_mode{kOther};
 std::atomic<int64_t> precision_code{0};
 std::atomic<int64_t> fast_calls{0};
+std::atomic<int64_t> graph_fast_calls{0};
 
 // Set once by torchtpu_fast_init (under the GIL), then only read.
 PyObject* buffer_attr = nullptr;    // the storage attribute holding its DeviceBuffer
@@ -263,20 +266,14 @@ bool values_of(const std::vector<c10::StorageImpl*>& storages, Key& key, std::ve
   return true;
 }
 
-// What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
-// [(dtype, numel, sizes, strides, nbytes), ...], storages of `self` it writes in place).
-bool read_executable(PyObject* info, Executable& exe) {
-  PyObject *runner, *values, *device, *outputs;
-  long long writes_self;
-  if (!PyArg_ParseTuple(info, "OO!OOL", &runner, &PyTuple_Type, &values, &device, &outputs, &writes_self)) {
-    return false;
-  }
-  exe.writes_self = writes_self;
-  exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
-  for (Py_ssize_t i = 0; i < PyList_Size(outputs); ++i) {
+// New tensors' geometry as `learn` reports it, [(dtype, numel, sizes, strides, nbytes), ...],
+// appended to `outputs` (which own their references).
+bool read_outputs(PyObject* list, std::vector<Output>& outputs) {
+  if (!PyList_Check(list)) return false;
+  for (Py_ssize_t i = 0; i < PyList_Size(list); ++i) {
     PyObject *dtype, *sizes, *strides;
     long long numel, nbytes;
-    if (!PyArg_ParseTuple(PyList_GetItem(outputs, i), "OLOOL", &dtype, &numel, &sizes, &strides, &nbytes) ||
+    if (!PyArg_ParseTuple(PyList_GetItem(list, i), "OLOOL", &dtype, &numel, &sizes, &strides, &nbytes) ||
         !THPDtype_Check(dtype)) {
       return false;
     }
@@ -292,8 +289,22 @@ bool read_executable(PyObject* info, Executable& exe) {
       out.strides.push_back(PyLong_AsLongLong(PyTuple_GetItem(strides, d)));
     }
     out.nbytes = nbytes;
-    exe.outputs.push_back(std::move(out));
+    outputs.push_back(std::move(out));
   }
+  return !PyErr_Occurred();
+}
+
+// What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
+// new outputs (`read_outputs`), storages of `self` it writes in place).
+bool read_executable(PyObject* info, Executable& exe) {
+  PyObject *runner, *values, *device, *outputs;
+  long long writes_self;
+  if (!PyArg_ParseTuple(info, "OO!OOL", &runner, &PyTuple_Type, &values, &device, &outputs, &writes_self)) {
+    return false;
+  }
+  exe.writes_self = writes_self;
+  exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
+  if (!read_outputs(outputs, exe.outputs)) return false;
   Py_INCREF(runner);
   Py_INCREF(values);
   Py_INCREF(device);
@@ -301,6 +312,40 @@ bool read_executable(PyObject* info, Executable& exe) {
   exe.values = values;
   exe.device = device;
   return !PyErr_Occurred();
+}
+
+// A new tpu tensor of `out`'s geometry whose storage holds `buffer` (a DeviceBuffer); undefined
+// (a Python error may be set) if it cannot be made. Needs the GIL.
+at::Tensor output_tensor(const Output& out, PyObject* buffer, c10::DeviceIndex index) {
+  uint64_t address = addresses.take(out.nbytes);
+  if (address == 0) return at::Tensor();
+  try {
+    c10::Device device(c10::DeviceType::PrivateUse1, index);
+    at::Tensor t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
+                                 at::TensorOptions().dtype(out.scalar_type).device(device), device);
+    PyObject* storage = THPStorage_Wrap(t.storage());
+    bool ok = storage != nullptr && PyObject_SetAttr(storage, buffer_attr, buffer) == 0;
+    Py_XDECREF(storage);
+    return ok ? t : at::Tensor();
+  } catch (const std::exception&) {
+    return at::Tensor();  // the caller reports it
+  }
+}
+
+// Strict mode, in place: output `i` of an executable becomes the value of the buffer of the
+// storage it writes (whose array it was given, donated). False with a Python error set if that
+// fails. Needs the GIL.
+bool install(c10::StorageImpl* written, PyObject* outs, int64_t i) {
+  PyObject* storage = written->pyobj_slot()->load_pyobj();
+  PyObject* buffer = storage == nullptr ? nullptr : PyObject_GetAttr(storage, buffer_attr);
+  PyObject* value = buffer == nullptr ? nullptr : PySequence_GetItem(outs, static_cast<Py_ssize_t>(i));
+  bool ok = value != nullptr && PyObject_SetAttr(buffer, value_attr, value) == 0;
+  Py_XDECREF(value);
+  Py_XDECREF(buffer);
+  if (!ok && !PyErr_Occurred()) {
+    PyErr_SetString(PyExc_RuntimeError, "torchtpu: an in-place call's storage has no device buffer");
+  }
+  return ok;
 }
 
 using Cache = std::unordered_map<Key, std::shared_ptr<const Executable>, KeyHash>;
@@ -389,22 +434,10 @@ struct FastKernel final : public c10::OperatorKernel {
                              : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value,
                                                             nullptr);
       if (buffer != value) Py_XDECREF(value);
-      uint64_t address = buffer ? addresses.take(out.nbytes) : 0;
-      ok = address != 0;
-      if (ok) {
-        try {
-          c10::Device device(c10::DeviceType::PrivateUse1, exe.index);
-          at::Tensor t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
-                                       at::TensorOptions().dtype(out.scalar_type).device(device), device);
-          PyObject* storage = THPStorage_Wrap(t.storage());
-          ok = storage != nullptr && PyObject_SetAttr(storage, buffer_attr, buffer) == 0;
-          Py_XDECREF(storage);
-          results.push_back(std::move(t));
-        } catch (const std::exception&) {
-          ok = false;  // the Python kernel makes the call's tensors (and reports what fails)
-        }
-      }
+      at::Tensor t = buffer ? output_tensor(out, buffer, exe.index) : at::Tensor();
       Py_XDECREF(buffer);
+      ok = t.defined();
+      if (ok) results.push_back(std::move(t));
     }
     Py_DECREF(outs);
     if (!ok) {
@@ -421,22 +454,6 @@ struct FastKernel final : public c10::OperatorKernel {
     for (at::Tensor& t : results) stack->emplace_back(std::move(t));
     fast_calls.fetch_add(1, std::memory_order_relaxed);
     return kDone;
-  }
-
-  // Strict mode, in place: the executable's output `i` becomes the value of the buffer of the
-  // storage it writes (whose array it was given, donated). False with a Python error set if
-  // that fails.
-  static bool install(c10::StorageImpl* written, PyObject* outs, int64_t i) {
-    PyObject* storage = written->pyobj_slot()->load_pyobj();
-    PyObject* buffer = storage == nullptr ? nullptr : PyObject_GetAttr(storage, buffer_attr);
-    PyObject* value = buffer == nullptr ? nullptr : PySequence_GetItem(outs, static_cast<Py_ssize_t>(i));
-    bool ok = value != nullptr && PyObject_SetAttr(buffer, value_attr, value) == 0;
-    Py_XDECREF(value);
-    Py_XDECREF(buffer);
-    if (!ok && !PyErr_Occurred()) {
-      PyErr_SetString(PyExc_RuntimeError, "torchtpu: an in-place call's storage has no device buffer");
-    }
-    return ok;
   }
 
   // After the Python kernel did a call of a key `mode` never saw: remember what it did, or that
@@ -481,6 +498,157 @@ void keep(std::unique_ptr<torch::Library> library) {
 std::unique_ptr<torch::Library> impl_library(const char* ns) {
   return std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1, __FILE__,
                                           __LINE__);
+}
+
+// --- compiled graphs ----------------------------------------------------------------------------
+//
+// A compiled graph's call (torchtpu/exec/compile.py) that repeats an earlier call's layout does
+// what that call did, as an op call does: `torchtpu_graph_call` keys the call's arguments (tensors
+// as above, numbers and None by value) and, for a key whose call the Python path reported as
+// plain (`fast_dispatch.learn_graph`: one strict executable, no runtime values, device-side checks
+// or host values), runs the executable on the written storages' arrays, installs the values of
+// the storages it writes (donated to it) and returns the graph's outputs: new tensors, arguments
+// passed through, constants. Strict mode only; anything else is the Python path's.
+
+struct GraphExecutable {
+  Executable exe;  // runner, device and new outputs (no runtime values, nothing written in place)
+  std::vector<int64_t> written;  // storages whose buffers its first outputs replace, in order
+  // The graph's result, per entry: a new tensor (kind 0, index), an argument (1, index) or a
+  // constant (2, value).
+  struct Entry {
+    int kind;
+    Py_ssize_t index;
+    PyObject* value;
+  };
+  std::vector<Entry> result;
+
+  GraphExecutable() = default;
+  GraphExecutable(const GraphExecutable&) = delete;
+  GraphExecutable& operator=(const GraphExecutable&) = delete;
+  ~GraphExecutable() {
+    for (Entry& entry : result) Py_XDECREF(entry.value);
+  }
+};
+
+// One compiled graph's known keys (owned by a capsule the graph holds); guarded by the GIL.
+struct GraphCache {
+  std::unordered_map<Key, std::shared_ptr<const GraphExecutable>, KeyHash> executables;
+};
+std::vector<GraphCache*> graph_caches;  // the live ones, for torchtpu_fast_clear; guarded by the GIL
+
+constexpr const char* kGraphCapsule = "torchtpu.graph_cache";
+
+// A compiled graph's call arguments' key and storages; false for an argument this path does not
+// read (a CPU tensor, a list, ...).
+bool graph_layout(PyObject* args, Key& key, std::vector<c10::StorageImpl*>& storages) {
+  key.push_back(precision_code.load(std::memory_order_relaxed));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    if (THPVariable_Check(a)) {
+      if (!tensor_layout(THPVariable_Unpack(a), key, storages)) return false;
+    } else if (a == Py_None) {
+      key.push_back(-2);
+    } else if (PyBool_Check(a)) {
+      key.insert(key.end(), {5, a == Py_True});
+    } else if (PyLong_CheckExact(a)) {
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+      if (overflow) return false;
+      key.insert(key.end(), {4, v});
+    } else if (PyFloat_CheckExact(a)) {
+      double d = PyFloat_AS_DOUBLE(a);
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      key.insert(key.end(), {3, bits});
+    } else {
+      return false;
+    }
+  }
+  return !storages.empty();
+}
+
+// Run a known graph call: its result list, or nullptr with a Python error set (the call failed
+// after its written storages' arrays were given away: raised, not re-run). Needs the GIL.
+PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values,
+                    const std::vector<c10::StorageImpl*>& storages, PyObject* args) {
+  const Executable& exe = graph.exe;
+  PyObject* outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
+  if (outs == nullptr) return nullptr;
+  int64_t n_written = static_cast<int64_t>(graph.written.size());
+  bool ok = true;
+  for (int64_t k = 0; k < n_written && ok; ++k) ok = install(storages[graph.written[k]], outs, k);
+  std::vector<PyObject*> fresh;  // the new tensors, wrapped
+  for (size_t i = 0; i < exe.outputs.size() && ok; ++i) {
+    const Output& out = exe.outputs[i];
+    PyObject* value = PySequence_GetItem(outs, static_cast<Py_ssize_t>(n_written + i));
+    PyObject* buffer = value == nullptr ? nullptr
+                                        : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device,
+                                                                       value, nullptr);
+    Py_XDECREF(value);
+    at::Tensor t = buffer ? output_tensor(out, buffer, exe.index) : at::Tensor();
+    Py_XDECREF(buffer);
+    PyObject* wrapped = t.defined() ? THPVariable_Wrap(std::move(t)) : nullptr;
+    ok = wrapped != nullptr;
+    if (ok) fresh.push_back(wrapped);
+  }
+  Py_DECREF(outs);
+  PyObject* list = ok ? PyList_New(static_cast<Py_ssize_t>(graph.result.size())) : nullptr;
+  for (size_t j = 0; list != nullptr && j < graph.result.size(); ++j) {
+    const GraphExecutable::Entry& entry = graph.result[j];
+    PyObject* item = entry.kind == 0 ? fresh[entry.index]
+                     : entry.kind == 1 ? PyTuple_GET_ITEM(args, entry.index)
+                                       : entry.value;
+    Py_INCREF(item);
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(j), item);
+  }
+  for (PyObject* w : fresh) Py_DECREF(w);
+  if (list == nullptr && !PyErr_Occurred()) {
+    PyErr_SetString(PyExc_RuntimeError, "torchtpu: a compiled graph's outputs could not be made into tensors");
+  }
+  if (list != nullptr) graph_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  return list;
+}
+
+// What `learn_graph` reported for a plain graph call: (jitted executable, device, new outputs,
+// written storages, result entries ((kind, index or value), ...)).
+bool read_graph_executable(PyObject* info, GraphExecutable& graph) {
+  PyObject *runner, *device, *outputs, *written, *result;
+  if (!PyArg_ParseTuple(info, "OOOO!O!", &runner, &device, &outputs, &PyTuple_Type, &written, &PyTuple_Type,
+                        &result)) {
+    return false;
+  }
+  Executable& exe = graph.exe;
+  exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
+  if (!read_outputs(outputs, exe.outputs)) return false;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(written); ++k) {
+    graph.written.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(written, k)));
+  }
+  for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(result); ++j) {
+    int kind;
+    PyObject* what;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(result, j), "iO", &kind, &what)) return false;
+    GraphExecutable::Entry entry{kind, 0, nullptr};
+    if (kind == 2) {
+      Py_INCREF(what);
+      entry.value = what;
+    } else {
+      entry.index = PyLong_AsSsize_t(what);
+      size_t bound = kind == 0 ? exe.outputs.size() : static_cast<size_t>(PY_SSIZE_T_MAX);
+      if (entry.index < 0 || static_cast<size_t>(entry.index) >= bound) return false;
+    }
+    graph.result.push_back(entry);
+  }
+  Py_INCREF(runner);
+  Py_INCREF(device);
+  exe.runner = runner;
+  exe.device = device;
+  return !PyErr_Occurred();
+}
+
+void drop_graph_cache(PyObject* capsule) {
+  auto* cache = static_cast<GraphCache*>(PyCapsule_GetPointer(capsule, kGraphCapsule));
+  graph_caches.erase(std::remove(graph_caches.begin(), graph_caches.end(), cache), graph_caches.end());
+  delete cache;
 }
 
 }  // namespace
@@ -551,6 +719,67 @@ void torchtpu_fast_clear() {
   for (FastKernel* kernel : kernels) {
     for (Cache& cache : kernel->caches) cache.clear();
   }
+  for (GraphCache* cache : graph_caches) cache->executables.clear();
+}
+
+long long torchtpu_graph_fast_calls() { return graph_fast_calls.load(); }
+
+void torchtpu_graph_reset_calls() { graph_fast_calls.store(0); }
+
+// A new, empty cache of one compiled graph's calls: a capsule the graph keeps.
+PyObject* torchtpu_graph_cache_new() {
+  auto* cache = new GraphCache();
+  PyObject* capsule = PyCapsule_New(cache, kGraphCapsule, drop_graph_cache);
+  if (capsule == nullptr) {
+    delete cache;
+    return nullptr;
+  }
+  graph_caches.push_back(cache);
+  return capsule;
+}
+
+// A compiled graph's call on `args` (a tuple), done from here if its key is known and plain: the
+// result list. Otherwise the key as bytes, for `torchtpu_graph_learn` after the Python path ran
+// the call, if this mode learns it and never saw it, else None. Called with the GIL held.
+PyObject* torchtpu_graph_call(PyObject* capsule, PyObject* args) {
+  auto* cache = static_cast<GraphCache*>(PyCapsule_GetPointer(capsule, kGraphCapsule));
+  if (cache == nullptr || !PyTuple_Check(args)) return nullptr;
+  Key key;
+  std::vector<c10::StorageImpl*> storages;
+  if (eager_mode.load(std::memory_order_relaxed) != kStrict || !graph_layout(args, key, storages)) Py_RETURN_NONE;
+  std::vector<PyObject*> values;
+  PyObject* result = nullptr;
+  if (values_of(storages, key, values, false)) {
+    auto found = cache->executables.find(key);
+    if (found == cache->executables.end()) {
+      result = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(key.data()),
+                                         static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
+    } else if (found->second->exe.runner != nullptr) {
+      std::shared_ptr<const GraphExecutable> graph = found->second;
+      result = run_graph(*graph, values, storages, args);
+    }
+  }
+  for (PyObject* v : values) Py_DECREF(v);
+  if (result == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
+  return result;
+}
+
+// Remember what the Python path did for the graph call whose key `torchtpu_graph_call` returned:
+// `info` as `read_graph_executable` reads it, or None (the key always takes the Python path).
+// 0 on success. Called with the GIL held.
+int torchtpu_graph_learn(PyObject* capsule, PyObject* key_bytes, PyObject* info) {
+  auto* cache = static_cast<GraphCache*>(PyCapsule_GetPointer(capsule, kGraphCapsule));
+  if (cache == nullptr || !PyBytes_Check(key_bytes)) return 1;
+  const auto* data = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(key_bytes));
+  Key key(data, data + PyBytes_GET_SIZE(key_bytes) / sizeof(int64_t));
+  auto graph = std::make_shared<GraphExecutable>();
+  if (info != Py_None && !read_graph_executable(info, *graph)) {
+    PyErr_Clear();
+    graph = std::make_shared<GraphExecutable>();
+  }
+  if (cache->executables.size() >= kMaxKeys) cache->executables.clear();
+  cache->executables.emplace(std::move(key), std::move(graph));
+  return 0;
 }
 
 }  // extern "C"

@@ -5,7 +5,8 @@ Dynamo captures the model; AOTAutograd turns it into functional ATen forward and
 storages -- the graph's nodes call the same registry lowerings as the eager executors
 (`torchtpu.exec.graph`) -- and runs through the current eager executor: strict mode jits it, defer
 mode records it as one node of the pending graph, so compiled regions fuse with the eager code
-around them. Graph breaks and the optimizer step outside the graph simply run eagerly.
+around them. Graph breaks and the optimizer step outside the graph simply run eagerly. In strict
+mode a call that repeats a plain call's layout is done from C++ (`fast_dispatch.graph_call`).
 Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
 tensors, not copies; an input the graph `copy_`s into (state a backward writes, the parameters a
 compiled optimizer step updates) is written in place.
@@ -29,7 +30,7 @@ import torch
 import torch.fx
 
 from torchtpu import counters, precision, random as tpu_random, runtime
-from torchtpu.exec import bucketing, opcall, split
+from torchtpu.exec import bucketing, fast_dispatch, opcall, split
 from torchtpu.exec import graph as fx_graph
 from torchtpu.exec.opcall import HostRef, NewTensor, Program, TensorRef
 from torchtpu.ops import decomps
@@ -126,12 +127,25 @@ class CompiledGraph:
             for m in self.input_metas
         )
         self.plans = opcall.plan_table()
+        # Calls of known layouts are done from C++ (`fast_dispatch.graph_call`), as op calls are.
+        plain = not (self.symbolic or self.random or self.host_written)
+        self.fast = fast_dispatch.graph_cache() if plain else None
 
     def __call__(self, *args: Any) -> Any:
         from torchtpu.exec.kernels import submit
 
         if not self.symbolic:
-            return self._write_host_inputs(args, submit(self._call(args)))
+            key = None
+            if self.fast is not None:
+                result = fast_dispatch.graph_call(self.fast, args)
+                if type(result) is list:  # done from C++
+                    return result
+                key = result  # bytes: a layout C++ has not seen, which it learns from this call
+            call = self._call(args)
+            outs = self._write_host_inputs(args, submit(call))
+            if key is not None:
+                fast_dispatch.learn_graph(self.fast, key, call)
+            return outs
         buckets = bucketing.plan_call(self.input_metas, args, self.written)
         outs = self._write_host_inputs(args, submit(GraphCall(self, buckets.args, buckets)))
         for position, argument in self.aliases.items():

@@ -22,11 +22,13 @@ untyped buffers, errors) takes the Python kernel, which stays the one definition
 does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
-PyTorch's CPU kernel does for a tpu tensor as well (`install_view`).
+PyTorch's CPU kernel does for a tpu tensor as well (`install_view`). Compiled graphs' calls take
+the same road in strict mode (`graph_call`): keyed by their arguments' layout, a plain call's
+executable runs from C++ and its outputs are assembled there.
 
 Without a C++ compiler, or with `TORCHTPU_FAST_DISPATCH=0`, the Python kernels stay on
 PrivateUse1: the same results, slower. `torchtpu.metrics()["eager_fast_calls"]` counts the
-calls the C++ kernel ran.
+calls the C++ kernel ran, `["compiled_fast_calls"]` the compiled graphs' calls.
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ def _load() -> ctypes.PyDLL | None:
     library.torchtpu_fast_set_precision(precision.MODES.index(precision.get_mode()))
     counters.add_source(lambda: {"eager_fast_calls": library.torchtpu_fast_calls()},
                         library.torchtpu_fast_reset_calls)
+    library.torchtpu_graph_cache_new.restype = ctypes.py_object
+    library.torchtpu_graph_call.argtypes = [ctypes.py_object, ctypes.py_object]
+    library.torchtpu_graph_call.restype = ctypes.py_object
+    library.torchtpu_graph_learn.argtypes = [ctypes.py_object] * 3
+    library.torchtpu_graph_fast_calls.restype = ctypes.c_longlong
+    counters.add_source(lambda: {"compiled_fast_calls": library.torchtpu_graph_fast_calls()},
+                        library.torchtpu_graph_reset_calls)
     # The kernels' caches own Python objects: release them while the interpreter still runs (the
     # library's static destructors run after it has finalized, without a thread state).
     atexit.register(library.torchtpu_fast_clear)
@@ -206,6 +215,51 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
                for spec in program.new]
     return runner, values, plan.device, outputs, 0
+
+
+# --- compiled graphs ---------------------------------------------------------------------------
+
+
+def graph_cache() -> Any:
+    """A C++ cache of one compiled graph's known calls (see `graph_call`); None without the fast
+    path."""
+    return _library.torchtpu_graph_cache_new() if enabled() else None
+
+
+def graph_call(cache: Any, args: tuple) -> list | bytes | None:
+    """A compiled graph's call done from C++ if its layout is known and plain: its result list.
+    Otherwise bytes (the call's key, which `learn_graph` takes once the Python path ran the
+    call) or None (nothing to learn: another eager mode, arguments C++ does not read, a key
+    known not to be plain)."""
+    return _library.torchtpu_graph_call(cache, args)
+
+
+def learn_graph(cache: Any, key: bytes, call) -> None:
+    """Tell the C++ cache what the Python path did for the graph call of `key` (a
+    `compile.GraphCall`): the executable and how to assemble its result if the call was plain --
+    strict, one executable not spread over devices, no runtime values (random bits, bucket
+    sizes, host scalars), no device-side checks, a result of new tensors, arguments passed through
+    and constants -- else that the key always takes the Python path."""
+    _library.torchtpu_graph_learn(cache, key, _graph_info(call))
+
+
+def _graph_info(call) -> tuple | None:
+    plan = call.plan
+    exe = plan.executable if plan is not None and modes.current() == "strict" else None
+    if exe is None or exe.sharded or call.dynamic:
+        return None
+    program = exe.program
+    if program.checks or program.result[0] != "list":
+        return None
+    kinds = {"new": 0, "arg": 1, "const": 2}
+    result = []
+    for entry in program.result[1]:
+        if entry[0] not in kinds:
+            return None
+        result.append((kinds[entry[0]], entry[1]))
+    outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
+               for spec in program.new]
+    return exe.jitted, plan.device, outputs, tuple(program.written), tuple(result)
 
 
 def clear() -> None:

@@ -343,7 +343,7 @@ bool install(c10::StorageImpl* written, PyObject* outs, int64_t i) {
   Py_XDECREF(value);
   Py_XDECREF(buffer);
   if (!ok && !PyErr_Occurred()) {
-    PyErr_SetString(PyExc_RuntimeError, "torchtpu: an in-place call's storage has no device buffer");
+    PyErr_SetString(PyExc_RuntimeError, "torchtpu: a storage the call writes has no device buffer");
   }
   return ok;
 }

@@ -1,8 +1,8 @@
 """The eager modes' C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run
 (strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives, in-place ones
-updating `self`'s storage; every call that is
-not plain -- other static or Scalar values, views with offsets, another matmul precision, the
-debug mode -- still gets its own program; an error while recording from C++ is the call's error."""
+updating `self`'s storages, compiled graphs' calls too (strict); every call that is not plain --
+other static or Scalar values, views with offsets, another matmul precision, the debug mode --
+still gets its own program; an error while recording from C++ is the call's error."""
 
 from __future__ import annotations
 

@@ -314,22 +314,31 @@ bool read_executable(PyObject* info, Executable& exe) {
   return !PyErr_Occurred();
 }
 
-// A new tpu tensor of `out`'s geometry whose storage holds `buffer` (a DeviceBuffer); undefined
-// (a Python error may be set) if it cannot be made. Needs the GIL.
-at::Tensor output_tensor(const Output& out, PyObject* buffer, c10::DeviceIndex index) {
-  uint64_t address = addresses.take(out.nbytes);
-  if (address == 0) return at::Tensor();
-  try {
-    c10::Device device(c10::DeviceType::PrivateUse1, index);
-    at::Tensor t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
-                                 at::TensorOptions().dtype(out.scalar_type).device(device), device);
-    PyObject* storage = THPStorage_Wrap(t.storage());
-    bool ok = storage != nullptr && PyObject_SetAttr(storage, buffer_attr, buffer) == 0;
-    Py_XDECREF(storage);
-    return ok ? t : at::Tensor();
-  } catch (const std::exception&) {
-    return at::Tensor();  // the caller reports it
+// A new tpu tensor of `out`'s geometry over `value`: a DeviceBuffer (`is_buffer`: what a recorded
+// call gives), or a device array that a new DeviceBuffer on `exe`'s device takes (what an
+// executable returns). Steals `value`; undefined (a Python error may be set) if it cannot be
+// made. Needs the GIL.
+at::Tensor new_output(const Output& out, PyObject* value, const Executable& exe, bool is_buffer) {
+  PyObject* buffer = value == nullptr || is_buffer
+                         ? value
+                         : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value, nullptr);
+  if (buffer != value) Py_XDECREF(value);
+  uint64_t address = buffer != nullptr ? addresses.take(out.nbytes) : 0;
+  at::Tensor t;
+  if (address != 0) {
+    try {
+      c10::Device device(c10::DeviceType::PrivateUse1, exe.index);
+      t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
+                        at::TensorOptions().dtype(out.scalar_type).device(device), device);
+      PyObject* storage = THPStorage_Wrap(t.storage());
+      if (storage == nullptr || PyObject_SetAttr(storage, buffer_attr, buffer) != 0) t = at::Tensor();
+      Py_XDECREF(storage);
+    } catch (const std::exception&) {
+      t = at::Tensor();  // the caller reports it
+    }
   }
+  Py_XDECREF(buffer);
+  return t;
 }
 
 // Strict mode, in place: output `i` of an executable becomes the value of the buffer of the
@@ -427,15 +436,8 @@ struct FastKernel final : public c10::OperatorKernel {
     bool ok = true;
     std::vector<at::Tensor> results;
     for (size_t i = 0; i < exe.outputs.size() && ok; ++i) {
-      const Output& out = exe.outputs[i];
       PyObject* value = PySequence_GetItem(outs, static_cast<Py_ssize_t>(i));
-      PyObject* buffer = value == nullptr || mode == kDefer
-                             ? value
-                             : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value,
-                                                            nullptr);
-      if (buffer != value) Py_XDECREF(value);
-      at::Tensor t = buffer ? output_tensor(out, buffer, exe.index) : at::Tensor();
-      Py_XDECREF(buffer);
+      at::Tensor t = new_output(exe.outputs[i], value, exe, mode == kDefer);
       ok = t.defined();
       if (ok) results.push_back(std::move(t));
     }
@@ -579,14 +581,8 @@ PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values
   for (int64_t k = 0; k < n_written && ok; ++k) ok = install(storages[graph.written[k]], outs, k);
   std::vector<PyObject*> fresh;  // the new tensors, wrapped
   for (size_t i = 0; i < exe.outputs.size() && ok; ++i) {
-    const Output& out = exe.outputs[i];
     PyObject* value = PySequence_GetItem(outs, static_cast<Py_ssize_t>(n_written + i));
-    PyObject* buffer = value == nullptr ? nullptr
-                                        : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device,
-                                                                       value, nullptr);
-    Py_XDECREF(value);
-    at::Tensor t = buffer ? output_tensor(out, buffer, exe.index) : at::Tensor();
-    Py_XDECREF(buffer);
+    at::Tensor t = new_output(exe.outputs[i], value, exe, false);
     PyObject* wrapped = t.defined() ? THPVariable_Wrap(std::move(t)) : nullptr;
     ok = wrapped != nullptr;
     if (ok) fresh.push_back(wrapped);

@@ -212,9 +212,13 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
         return None
     if program.result != (("new", 0) if n == 1 else ("tuple", tuple(("new", i) for i in range(n)))):
         return None
-    outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
-               for spec in program.new]
-    return runner, values, plan.device, outputs, 0
+    return runner, values, plan.device, _new_outputs(program), 0
+
+
+def _new_outputs(program) -> list[tuple]:
+    """The geometry of a Program's new tensors, as the C++ kernel reads it (`read_outputs`)."""
+    return [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
+            for spec in program.new]
 
 
 # --- compiled graphs ---------------------------------------------------------------------------
@@ -257,9 +261,7 @@ def _graph_info(call) -> tuple | None:
         if entry[0] not in kinds:
             return None
         result.append((kinds[entry[0]], entry[1]))
-    outputs = [(spec.dtype, spec.numel, tuple(spec.sizes), tuple(spec.strides), spec.numel * spec.dtype.itemsize)
-               for spec in program.new]
-    return exe.jitted, plan.device, outputs, tuple(program.written), tuple(result)
+    return exe.jitted, plan.device, _new_outputs(program), tuple(program.written), tuple(result)
 
 
 def clear() -> None:

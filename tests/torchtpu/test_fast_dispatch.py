@@ -421,6 +421,9 @@ def test_repeated_compiled_graph_calls_run_from_cpp_and_match_cpu():
 
 @pytest.mark.parametrize("mode", ["strict", "defer"])
 def test_compiled_training_steps_from_cpp_match_cpu(mode):
+    # Fresh Dynamo caches: nn.Sequential.forward and Optimizer.step are code objects every
+    # compiled test shares, and one that reached Dynamo's recompile limit runs uncompiled.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     tmodel = copy.deepcopy(model).to("tpu")

@@ -121,17 +121,52 @@ def test_outputs_are_ordinary_tpu_tensors():
     assert torch.tpu.memory_allocated() == before - 3 * 4 * 6 * 4
 
 
-def test_scalar_values_passed_at_run_time_are_keyed_by_value():
-    a, b = torch.randn(3, 3), torch.randn(3, 3)
-    for alpha in (2, 3, 2.5):  # each value's first call teaches the fast path that value
-        _check(lambda x, y: torch.add(x, y, alpha=alpha), a, b)
-        _check(lambda x, y: x * alpha, a, b)  # a Python number wrapped as a tensor
-    _check(lambda x, y: torch.add(x, y, alpha=2), a, b, repeats=2, ops=2)  # known: both calls fast
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_numbers_that_change_every_call_run_from_cpp_with_each_calls_values(mode):
+    """A Scalar, a Python number and a Scalar list with new values every call (a learning-rate
+    schedule, Adam's bias corrections): after a key's first call, every call whose values are of
+    a class PyTorch's checks passed runs from C++ with its own values."""
+    a, b, c = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
+
+    def step(x, y, z, k):
+        lr = 0.1 / (k + 1)
+        return [torch.add(x, y, alpha=lr), x * (1.0 + lr), *torch._foreach_addcdiv([x, y], [y, z], [z, x], [lr, -lr])]
+
+    tpu = [t.to("tpu") for t in (a, b, c)]
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for k in range(6):
+            for got, want in zip(step(*tpu, k), step(a, b, c, k)):
+                torch.testing.assert_close(got.cpu(), want)
+    assert _fast_calls() - before == 5 * 3
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_a_number_of_a_class_pytorch_rejects_raises_though_its_key_is_known(mode):
+    n = torch.randint(1, 5, (3,))
+    tn = n.to("tpu")
+    with torchtpu.eager_mode(mode):
+        for exponent in (2, 3, 2):
+            torch.testing.assert_close(torch.pow(tn, exponent).cpu(), torch.pow(n, exponent))
+        before = _fast_calls()
+        with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
+            torch.pow(tn, -1)
+        assert _fast_calls() == before  # the Python kernel ran PyTorch's checks
+        torch.testing.assert_close(torch.pow(tn, 4).cpu(), torch.pow(n, 4))
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_ops_returning_a_list_of_new_tensors_run_from_cpp(mode):
+    xs = [torch.rand(4, 3), torch.rand(5), torch.rand(2, 2)]
+    with torchtpu.eager_mode(mode):
+        _check(lambda *t: tuple(torch._foreach_sqrt(list(t))), *xs)
+        _check(lambda *t: tuple(torch._foreach_add(list(t), 0.5)), *xs)
 
 
 @pytest.mark.parametrize("mode", ["strict", "defer"])
 def test_numbers_that_change_between_calls_give_each_calls_result(mode):
-    a, n = torch.randn(4, 5), torch.randint(0, 9, (4, 5))
+    shape = (4, 5) if mode == "strict" else (4, 6)  # keys of their own: the checked classes are per key
+    a, n = torch.randn(shape), torch.randint(0, 9, shape)
     ta, tn = a.to("tpu"), n.to("tpu")
     before = _fast_calls()
     with torchtpu.eager_mode(mode):
@@ -140,7 +175,11 @@ def test_numbers_that_change_between_calls_give_each_calls_result(mode):
             torch.testing.assert_close((tn + value).cpu(), n + value)
             if not isinstance(value, bool):  # a bool alpha needs bool tensors
                 torch.testing.assert_close(torch.add(ta, ta, alpha=value).cpu(), torch.add(a, a, alpha=value))
-    assert _fast_calls() - before == 4 + 4 + 3  # the repeats of 1, 2, 2.5 and True, in C++
+    # From C++: a call whose values' class (type, range, sign, 0 or 1, integrality) PyTorch's
+    # checks passed for its key before -- `ta * v` and `tn + v`: the second 1, the second 2,
+    # the second 2.5, 0.0 after -0.0, the second True; `alpha=v`: the second 1 (the default, a
+    # static value), the second 2, the second 2.5, 0.0 after -0.0.
+    assert _fast_calls() - before == 5 + 5 + 4
 
 
 IN_PLACE_CALLS = [
@@ -199,7 +238,7 @@ def test_in_place_numbers_that_change_between_calls_give_each_calls_result(mode)
             a.mul_(value)
             ta.mul_(value)
             torch.testing.assert_close(ta.cpu(), a)
-    assert _fast_calls() - before == 3  # the repeats of 2, 3 and 0.5
+    assert _fast_calls() - before == 4  # all but the first int and the first float: one class each
 
 
 @pytest.mark.parametrize("mode", ["strict", "defer"])

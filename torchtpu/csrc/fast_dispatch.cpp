@@ -6,15 +6,18 @@
 // table, but only after PyTorch's dispatch into Python and a pass over the arguments in Python
 // (~12 us of a ~16 us call). This kernel is registered for PrivateUse1 and moves the Python kernel
 // to PrivateUse2. Each call's layout becomes a key; a key whose call the Python kernel reported as
-// plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran, the Scalar and
-// wrapped-number values its program took at run time (the key holds them) and its output geometry,
-// and later calls with the key do it from here, new tensors out (or, for an in-place op, `self`
-// updated -- a tensor, returned, or a list): in strict mode the jitted executable runs on the
-// storages' device arrays (those ever written) and those values; in defer mode the call's plan is
-// recorded into the pending graph (`deferred.record_known`, one Python call) on the storages'
-// buffers. Each mode learns its own keys. Anything else -- another eager mode, an unknown or
-// non-plain key, a sharded or untyped storage -- redispatches to the Python kernel, which is the
-// one definition of what an op does.
+// plain (see torchtpu/exec/fast_dispatch.py) maps to what that call ran and its output geometry,
+// and later calls with the key do it from here, new tensors out (one list of them, or, for an
+// in-place op, `self` updated -- a tensor, returned, or a list): in strict mode the jitted
+// executable runs on the storages' device arrays (those ever written) and the call's runtime
+// numbers; in defer mode the call's plan is recorded into the pending graph
+// (`deferred.record_known`, one Python call) on the storages' buffers. The runtime numbers --
+// Scalar arguments, Scalar lists, Python numbers passed as tensors, as the Python encoder takes
+// them -- are keyed by their types, not their values (a learning rate that changes every step
+// keeps its key), and a call passes its own; new values of a class that PyTorch's checks never
+// saw for the key (`fits`) take the Python kernel, which checks them. Each mode learns its own
+// keys. Anything else -- another eager mode, an unknown or non-plain key, a sharded or untyped
+// storage -- redispatches to the Python kernel, which is the one definition of what an op does.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -54,6 +57,7 @@ PyObject* new_buffer = nullptr;     // DeviceBuffer(dtype, numel, device, value)
 PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new address range
 PyObject* learn = nullptr;          // learn(op, mode) -> None or what the op's last call did (see .py)
 PyObject* record_known = nullptr;   // record_known(plan, values, *buffers) -> the new outputs' buffers
+PyObject* fits = nullptr;           // fits(classes, values) -> whether PyTorch's checks saw values like these
 int64_t address_chunk = 0;
 
 struct Gil {
@@ -83,6 +87,14 @@ struct Addresses {
 };
 thread_local Addresses addresses;
 
+// A number an op's program takes at run time: a Scalar argument, an element of a Scalar list, or a
+// Python number passed as a tensor (`x * 3`). `tag` is its Python type (3 float, 4 int, 5 bool),
+// `bits` its value (a float's bit pattern).
+struct Number {
+  int64_t tag, bits;
+  bool operator==(const Number& other) const { return tag == other.tag && bits == other.bits; }
+};
+
 struct Output {
   PyObject* dtype;   // torch.dtype
   PyObject* numel;   // int
@@ -97,9 +109,13 @@ struct Executable {
   // The jitted executable (strict) or the call's plan (defer); nullptr: the Python kernel
   // handles this key.
   PyObject* runner = nullptr;
-  // The values its program takes at run time (a tuple): Scalar arguments and Python numbers
-  // passed as tensors, which the key holds, so every call of the key passes its first call's.
+  // The numbers its program takes at run time (a tuple; `learned`, the same as Numbers): Scalar
+  // arguments and Python numbers passed as tensors, as the call it learned from passed them. A
+  // later call passing other numbers of a class PyTorch's checks saw (`classes`, the plan's set
+  // of value classes, see `fits`) passes its own; any other takes the Python kernel.
   PyObject* values = nullptr;
+  std::vector<Number> learned;
+  PyObject* classes = nullptr;
   PyObject* device = nullptr;  // int
   c10::DeviceIndex index = 0;
   std::vector<Output> outputs;  // the new tensors it returns
@@ -114,6 +130,7 @@ struct Executable {
   ~Executable() {
     Py_XDECREF(runner);
     Py_XDECREF(values);
+    Py_XDECREF(classes);
     Py_XDECREF(device);
     for (Output& out : outputs) {
       Py_XDECREF(out.dtype);
@@ -122,9 +139,9 @@ struct Executable {
   }
 };
 
-// Keys remembered per op at most: calls of an op with ever new values (a scalar that changes
-// every step, which the Python kernel passes as a runtime value: not plain) would otherwise grow
-// its table without end. A full table starts again empty.
+// Keys remembered per op at most: calls of an op with ever new static values (an int argument
+// that changes every call, a Scalar that the op's lowering keeps static) would otherwise grow its
+// table without end. A full table starts again empty.
 constexpr size_t kMaxKeys = 4096;
 
 using Key = std::vector<int64_t>;
@@ -137,26 +154,58 @@ struct KeyHash {
   }
 };
 
+// A Scalar's (or a wrapped number's) type and value; false for another kind of value.
+bool number_of(const c10::IValue& v, Number& x) {
+  if (v.isDouble()) {
+    double d = v.toDouble();
+    x.tag = 3;
+    std::memcpy(&x.bits, &d, sizeof x.bits);
+  } else if (v.isInt()) {
+    x = {4, v.toInt()};
+  } else if (v.isBool()) {
+    x = {5, v.toBool()};
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// How the key reads one argument of an op (`fast_dispatch._argument_codes`): by value (tensors,
+// ints, static Scalars), or as runtime numbers -- a Scalar (static, keyed by value, when it equals
+// its default of the same type) or a list of Scalars.
+struct ArgCode {
+  enum Kind { kByValue = 0, kScalar = 1, kScalarList = 2 } kind = kByValue;
+  bool has_default = false;
+  Number fallback{0, 0};  // the default, when `has_default`
+};
+
 // A tensor's part of a call's key, its storage joining `storages` (in order of first use); false
-// when this path does not read it (a view with an offset, another device, ...).
-bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>& storages) {
+// when this path does not read it (a view with an offset, another device, ...). A Python number
+// passed as a tensor (`x * 3`) is a runtime value of the program: with `numbers`, keyed by its
+// type and appended there; without (a compiled graph's argument), keyed by its value.
+bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>& storages,
+                   std::vector<Number>* numbers = nullptr) {
   if (!t.defined()) {
     key.push_back(-1);
     return true;
   }
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-    // A Python number standing for a tensor (`x * 3`), which the program takes at run time:
-    // keyed by its type and value, as a Scalar argument is.
+    Number x;
     if (t.scalar_type() == at::kDouble) {
-      int64_t bits;
-      std::memcpy(&bits, t.const_data_ptr<double>(), sizeof bits);
-      key.insert(key.end(), {7, bits});
+      x.tag = 3;
+      std::memcpy(&x.bits, t.const_data_ptr<double>(), sizeof x.bits);
     } else if (t.scalar_type() == at::kLong) {
-      key.insert(key.end(), {8, *t.const_data_ptr<int64_t>()});
+      x = {4, *t.const_data_ptr<int64_t>()};
     } else if (t.scalar_type() == at::kBool) {
-      key.insert(key.end(), {9, *t.const_data_ptr<bool>()});
+      x = {5, *t.const_data_ptr<bool>()};
     } else {
       return false;
+    }
+    key.push_back(x.tag + 4);  // 7, 8, 9
+    if (numbers != nullptr) {
+      numbers->push_back(x);
+    } else {
+      key.push_back(x.bits);
     }
     return true;
   }
@@ -175,38 +224,111 @@ bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>
   return true;
 }
 
-// The layout part of a call's key, and its storages in order of first use; false when the call
-// has an argument this path does not read (it then always takes the Python kernel).
-bool layout_of(const torch::jit::Stack& stack, size_t n, Key& key, std::vector<c10::StorageImpl*>& storages) {
+// A list of Scalars' part of the key: each a runtime number (keyed by its type) where `runtime`,
+// else keyed by its value; None elements by value. False for a list of anything else.
+bool scalar_list(const c10::IValue& v, bool runtime, Key& key, std::vector<Number>& numbers) {
+  std::vector<c10::IValue> items;
+  if (v.isDoubleList()) {
+    for (double d : v.toDoubleList()) items.emplace_back(d);
+  } else if (v.isList()) {
+    for (const c10::IValue& item : v.toListRef()) items.push_back(item);
+  } else {
+    return false;
+  }
+  key.insert(key.end(), {11, static_cast<int64_t>(items.size())});
+  for (const c10::IValue& item : items) {
+    Number x;
+    if (item.isNone()) {
+      key.push_back(-2);
+    } else if (!number_of(item, x)) {
+      return false;
+    } else if (runtime) {
+      key.push_back(x.tag + 20);
+      numbers.push_back(x);
+    } else {
+      key.insert(key.end(), {x.tag, x.bits});
+    }
+  }
+  return true;
+}
+
+// The layout part of a call's key, its storages in order of first use and its runtime numbers in
+// argument order (the order in which the Python encoder lists them); false when the call has an
+// argument this path does not read (it then always takes the Python kernel).
+bool layout_of(const torch::jit::Stack& stack, const std::vector<ArgCode>& codes, Key& key,
+               std::vector<c10::StorageImpl*>& storages, std::vector<Number>& numbers) {
   key.push_back(precision_code.load(std::memory_order_relaxed));
-  for (size_t i = stack.size() - n; i < stack.size(); ++i) {
+  size_t first = stack.size() - codes.size();
+  for (size_t i = first; i < stack.size(); ++i) {
     const c10::IValue& v = stack[i];
+    const ArgCode& code = codes[i - first];
+    Number x;
     if (v.isTensor()) {
-      if (!tensor_layout(v.toTensor(), key, storages)) return false;
+      if (!tensor_layout(v.toTensor(), key, storages, &numbers)) return false;
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       key.insert(key.end(), {10, static_cast<int64_t>(list.size())});
       for (const at::Tensor& t : list) {
-        if (!tensor_layout(t, key, storages)) return false;
+        if (!tensor_layout(t, key, storages, &numbers)) return false;
       }
     } else if (v.isNone()) {
       key.push_back(-2);
-    } else if (v.isDouble()) {
-      double d = v.toDouble();
-      int64_t bits;
-      std::memcpy(&bits, &d, sizeof bits);
-      key.insert(key.end(), {3, bits});
-    } else if (v.isInt()) {
-      key.insert(key.end(), {4, v.toInt()});
-    } else if (v.isBool()) {
-      key.insert(key.end(), {5, v.toBool()});
+    } else if (number_of(v, x)) {
+      if (code.kind == ArgCode::kScalar && !(code.has_default && x == code.fallback)) {
+        key.push_back(x.tag + 20);  // a runtime value: keyed by its type
+        numbers.push_back(x);
+      } else {
+        key.insert(key.end(), {x.tag, x.bits});
+      }
     } else if (v.isIntList()) {
       auto list = v.toIntList();
       key.insert(key.end(), {6, static_cast<int64_t>(list.size())});
-      for (int64_t x : list) key.push_back(x);
-    } else {
+      for (int64_t item : list) key.push_back(item);
+    } else if (!scalar_list(v, code.kind == ArgCode::kScalarList, key, numbers)) {
       return false;
     }
+  }
+  return true;
+}
+
+// The runtime numbers as a Python tuple (a new reference; nullptr with an error set). Needs the GIL.
+PyObject* numbers_tuple(const std::vector<Number>& numbers) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(numbers.size()));
+  for (size_t i = 0; tuple != nullptr && i < numbers.size(); ++i) {
+    const Number& x = numbers[i];
+    PyObject* item;
+    if (x.tag == 3) {
+      double d;
+      std::memcpy(&d, &x.bits, sizeof d);
+      item = PyFloat_FromDouble(d);
+    } else if (x.tag == 4) {
+      item = PyLong_FromLongLong(x.bits);
+    } else {
+      item = PyBool_FromLong(static_cast<long>(x.bits));
+    }
+    if (item == nullptr) {
+      Py_CLEAR(tuple);
+    } else {
+      PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
+    }
+  }
+  return tuple;
+}
+
+// A Python number as a Number; false for another object. Needs the GIL.
+bool number_from_python(PyObject* obj, Number& x) {
+  if (PyBool_Check(obj)) {
+    x = {5, obj == Py_True};
+  } else if (PyLong_CheckExact(obj)) {
+    int overflow = 0;
+    x = {4, PyLong_AsLongLongAndOverflow(obj, &overflow)};
+    if (overflow) return false;
+  } else if (PyFloat_CheckExact(obj)) {
+    double d = PyFloat_AS_DOUBLE(obj);
+    x.tag = 3;
+    std::memcpy(&x.bits, &d, sizeof x.bits);
+  } else {
+    return false;
   }
   return true;
 }
@@ -295,13 +417,21 @@ bool read_outputs(PyObject* list, std::vector<Output>& outputs) {
 }
 
 // What `learn` reported for a plain call: (jitted executable or plan, runtime values, device,
-// new outputs (`read_outputs`), storages of `self` it writes in place).
+// new outputs (`read_outputs`), storages of `self` it writes in place, the plan's value classes).
 bool read_executable(PyObject* info, Executable& exe) {
-  PyObject *runner, *values, *device, *outputs;
+  PyObject *runner, *values, *device, *outputs, *classes;
   long long writes_self;
-  if (!PyArg_ParseTuple(info, "OO!OOL", &runner, &PyTuple_Type, &values, &device, &outputs, &writes_self)) {
+  if (!PyArg_ParseTuple(info, "OO!OOLO", &runner, &PyTuple_Type, &values, &device, &outputs, &writes_self,
+                        &classes)) {
     return false;
   }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(values); ++i) {
+    Number x;
+    if (!number_from_python(PyTuple_GET_ITEM(values, i), x)) return false;
+    exe.learned.push_back(x);
+  }
+  Py_INCREF(classes);
+  exe.classes = classes;
   exe.writes_self = writes_self;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));
   if (!read_outputs(outputs, exe.outputs)) return false;
@@ -362,15 +492,17 @@ using Cache = std::unordered_map<Key, std::shared_ptr<const Executable>, KeyHash
 enum Outcome { kDone, kDeclined, kFailed };
 
 struct FastKernel final : public c10::OperatorKernel {
-  explicit FastKernel(PyObject* op) : op(op) {}
+  FastKernel(PyObject* op, std::vector<ArgCode> codes, bool returns_list)
+      : op(op), codes(std::move(codes)), returns_list(returns_list) {}
 
   void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    size_t n = handle.schema().arguments().size();
+    size_t n = codes.size();
     int mode = eager_mode.load(std::memory_order_relaxed);
     Key key;
     std::vector<c10::StorageImpl*> storages;
+    std::vector<Number> numbers;
     bool unknown = false;  // a readable call whose key this mode never saw: learn it
-    if (mode != kOther && layout_of(*stack, n, key, storages)) {
+    if (mode != kOther && layout_of(*stack, codes, key, storages, numbers)) {
       Gil gil;
       std::vector<PyObject*> values;
       Outcome done = kDeclined;
@@ -383,7 +515,7 @@ struct FastKernel final : public c10::OperatorKernel {
         } else {
           unknown = true;
         }
-        done = exe && exe->runner != nullptr ? run(*exe, values, storages, mode, n, stack) : kDeclined;
+        done = exe && exe->runner != nullptr ? run(*exe, values, numbers, storages, mode, n, stack) : kDeclined;
       }
       for (PyObject* v : values) Py_DECREF(v);  // values_of may have taken some before it failed
       if (done == kFailed) {
@@ -397,26 +529,49 @@ struct FastKernel final : public c10::OperatorKernel {
       if (done == kDone) return;
     }
     handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
-    if (unknown) remember(std::move(key), mode);
+    if (unknown) remember(std::move(key), numbers, mode);
+  }
+
+  // The runtime numbers to pass for a call of `exe`'s key: `exe`'s own tuple when the call's are
+  // the same, a new tuple of the call's when PyTorch's checks saw numbers of their class for this
+  // key (`fits`), else nullptr (the Python kernel checks them: a call that PyTorch rejects raises
+  // there, one it accepts adds the class). Needs the GIL.
+  static PyObject* runtime_numbers(const Executable& exe, const std::vector<Number>& numbers) {
+    if (numbers == exe.learned) {
+      Py_INCREF(exe.values);
+      return exe.values;
+    }
+    PyObject* own = numbers_tuple(numbers);
+    PyObject* fit = own == nullptr ? nullptr : PyObject_CallFunctionObjArgs(fits, exe.classes, own, nullptr);
+    bool ok = fit != nullptr && PyObject_IsTrue(fit) == 1;
+    Py_XDECREF(fit);
+    if (!ok) {
+      PyErr_Clear();
+      Py_CLEAR(own);
+    }
+    return own;
   }
 
   // Do a known plain call from here: kDone; kDeclined (the stack unchanged) when the Python
   // kernel must; kFailed (a Python error set) when the call failed after it was recorded or
   // given `self`'s buffer. Strict runs the executable on the storages' arrays and the runtime
-  // values, whose results become new buffers (or `self`'s buffer's value); defer records the plan
-  // on the storages' buffers, which gives the new buffers (and makes `self`'s a promise). Needs
-  // the GIL.
-  Outcome run(const Executable& exe, std::vector<PyObject*>& values, const std::vector<c10::StorageImpl*>& storages,
-              int mode, size_t n, torch::jit::Stack* stack) {
-    // Borrowed references: `values` (released by the caller) and `exe`'s own.
+  // numbers, whose results become new buffers (or `self`'s buffer's value); defer records the
+  // plan on the storages' buffers, which gives the new buffers (and makes `self`'s a promise).
+  // Needs the GIL.
+  Outcome run(const Executable& exe, std::vector<PyObject*>& values, const std::vector<Number>& numbers,
+              const std::vector<c10::StorageImpl*>& storages, int mode, size_t n, torch::jit::Stack* stack) {
+    PyObject* given = runtime_numbers(exe, numbers);
+    if (given == nullptr) return kDeclined;
+    // Borrowed references: `values` (released by the caller), `given` (released below) and `exe`'s.
     std::vector<PyObject*> args;
-    if (mode == kDefer) args = {exe.runner, exe.values};
+    if (mode == kDefer) args = {exe.runner, given};
     args.insert(args.end(), values.begin(), values.end());
     if (mode == kStrict) {
-      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(exe.values); ++i) args.push_back(PyTuple_GET_ITEM(exe.values, i));
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(given); ++i) args.push_back(PyTuple_GET_ITEM(given, i));
     }
     PyObject* outs = PyObject_Vectorcall(mode == kStrict ? exe.runner : record_known, args.data(), args.size(),
                                          nullptr);
+    Py_DECREF(given);
     if (outs == nullptr) {
       if (mode == kDefer || exe.writes_self) return kFailed;
       PyErr_Clear();  // the Python kernel runs the call again and reports what went wrong
@@ -453,14 +608,19 @@ struct FastKernel final : public c10::OperatorKernel {
       return kDeclined;
     }
     torch::jit::drop(*stack, n);
-    for (at::Tensor& t : results) stack->emplace_back(std::move(t));
+    if (returns_list) {
+      stack->emplace_back(c10::List<at::Tensor>(results));
+    } else {
+      for (at::Tensor& t : results) stack->emplace_back(std::move(t));
+    }
     fast_calls.fetch_add(1, std::memory_order_relaxed);
     return kDone;
   }
 
   // After the Python kernel did a call of a key `mode` never saw: remember what it did, or that
-  // the key is not plain (in that mode).
-  void remember(Key key, int mode) {
+  // the key is not plain (in that mode) -- also when the runtime numbers it passed are not the
+  // ones this kernel read (the two would then disagree on which Scalars are runtime values).
+  void remember(Key key, const std::vector<Number>& numbers, int mode) {
     Gil gil;
     PyObject* info = PyObject_CallFunction(learn, "Oi", op, mode);
     if (info == nullptr) {
@@ -468,7 +628,7 @@ struct FastKernel final : public c10::OperatorKernel {
       return;
     }
     auto exe = std::make_shared<Executable>();
-    if (info != Py_None && !read_executable(info, *exe)) {
+    if (info != Py_None && (!read_executable(info, *exe) || exe->learned != numbers)) {
       PyErr_Clear();
       exe = std::make_shared<Executable>();
     }
@@ -479,6 +639,8 @@ struct FastKernel final : public c10::OperatorKernel {
   }
 
   PyObject* op;  // the OpOverload, passed to `learn`
+  std::vector<ArgCode> codes;  // how the key reads each argument
+  bool returns_list;  // the op returns its new tensors as one list (`_foreach_sqrt`)
   Cache caches[2];  // per mode (kStrict, kDefer); guarded by the GIL
 };
 
@@ -653,7 +815,7 @@ extern "C" {
 
 // Called once with the GIL held: the Python objects the kernels use.
 int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* learn_fn, PyObject* record_fn,
-                       long long chunk) {
+                       PyObject* fits_fn, long long chunk) {
   buffer_attr = PyUnicode_InternFromString("_tpu_buffer");
   value_attr = PyUnicode_InternFromString("value");
   dtype_attr = PyUnicode_InternFromString("dtype");
@@ -663,20 +825,38 @@ int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* 
   Py_INCREF(reserve_fn);
   Py_INCREF(learn_fn);
   Py_INCREF(record_fn);
+  Py_INCREF(fits_fn);
   new_buffer = new_buffer_fn;
   reserve = reserve_fn;
   learn = learn_fn;
   record_known = record_fn;
+  fits = fits_fn;
   address_chunk = chunk;
   return 0;
 }
 
 // Registers the fast kernel for PrivateUse1 on `name.overload` (the Python kernel goes to
-// PrivateUse2). Called with the GIL held; 0 on success.
-int torchtpu_fast_install(const char* ns, const char* name, PyObject* op) {
+// PrivateUse2); `codes` says how to read each argument: ((kind, default or None), ...), see
+// `ArgCode`; `returns_list`, whether the op returns one list of tensors. Called with the GIL
+// held; 0 on success.
+int torchtpu_fast_install(const char* ns, const char* name, PyObject* op, PyObject* codes, int returns_list) {
+  if (!PyTuple_Check(codes)) {
+    PyErr_SetString(PyExc_TypeError, "torchtpu_fast_install: codes must be a tuple");
+    return 1;
+  }
+  std::vector<ArgCode> read;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(codes); ++i) {
+    int kind;
+    PyObject* fallback;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(codes, i), "iO", &kind, &fallback)) return 1;
+    ArgCode code;
+    code.kind = static_cast<ArgCode::Kind>(kind);
+    code.has_default = fallback != Py_None && number_from_python(fallback, code.fallback);
+    read.push_back(code);
+  }
   try {
     Py_INCREF(op);
-    auto kernel = std::make_unique<FastKernel>(op);
+    auto kernel = std::make_unique<FastKernel>(op, std::move(read), returns_list != 0);
     kernels.push_back(kernel.get());
     auto library = impl_library(ns);
     library->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));

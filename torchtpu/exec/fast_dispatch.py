@@ -4,22 +4,27 @@ A strict eager call whose layout an earlier call already compiled spends most of
 Python -- PyTorch's dispatch into the Python kernel, reading the arguments, making the output
 tensor -- around a ~4 us call of the jitted executable; a deferred call likewise around its
 recording. For every op with a lowering whose arguments the C++ kernel can read (tensors, tensor
-lists, numbers, int lists, None) and that returns new tensors or updates `self` in place
-(`add_`, `fill_`, `_foreach_add_`), that kernel is registered for PrivateUse1 and the Python
-kernel moves to PrivateUse2. The C++ kernel keys each call by its layout (which storages were
-ever written included), per eager mode, with the value of every Scalar argument and every Python
-number passed as a tensor (`x * 3`); the first call of a key goes to the Python kernel, which
-encodes and runs (or records) it as always and notes what it did (`note`); `learn` then tells
-the C++ kernel whether the call was *plain* -- one Program of exactly the call's storages, no
-device-side checks, only new tensors out (or, for an in-place op, only `self`'s storages written
-and `self` returned, or nothing for a list), not random, no runtime values but those numbers (so
-later calls of the key pass the ones this call passed) -- and if so, later calls with that key
-are done from C++: in strict mode it runs the cached executable on the written storages' arrays
-(an in-place call donates `self`'s arrays, and the results become their buffers' values, as in
-`eager.finish`), in defer mode it records the call's plan (`deferred.record_known`, which makes
-`self`'s buffers promises). Everything else (the debug mode, views with offsets, sharded or
-untyped buffers, errors) takes the Python kernel, which stays the one definition of what an op
-does.
+lists, numbers, int and Scalar lists, None) and that returns new tensors (or one list of them,
+`_foreach_sqrt`) or updates `self` in place (`add_`, `fill_`, `_foreach_add_`), that kernel is
+registered for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each
+call by its layout (which storages were ever written included), per eager mode, and its static
+values; the numbers that the encoder passes to the program at run time (Scalars, Scalar lists,
+Python numbers passed as tensors, `x * 3`: `_argument_codes`) by their types only. The first
+call of a key goes to the Python kernel, which encodes and runs (or records) it as always and
+notes what it did (`note`); `learn` then tells the C++ kernel whether the call was *plain* --
+one Program of exactly the call's storages, no device-side checks, only new tensors out (or, for
+an in-place op, only `self`'s storages written and `self` returned, or nothing for a list), not
+random, no runtime values but those numbers -- and if so, later calls with that key are done
+from C++, with their own numbers: in strict mode it runs the cached executable on the written
+storages' arrays (an in-place call donates `self`'s arrays, and the results become their
+buffers' values, as in `eager.finish`), in defer mode it records the call's plan
+(`deferred.record_known`, which makes `self`'s buffers promises). Numbers unlike the first
+call's are checked as the Python kernel checks them: a call whose values are of a class that
+PyTorch's checks never passed for the key (`_fits`; `pow(int_tensor, -1)` after
+`pow(int_tensor, 2)`) takes the Python kernel, which runs the checks. So a learning rate, a
+gradient scale or Adam's bias corrections that change every step still run from C++.
+Everything else (the debug mode, views with offsets, sharded or untyped buffers, errors) takes
+the Python kernel, which stays the one definition of what an op does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`). Compiled graphs' calls take
@@ -44,7 +49,8 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import counters, precision, storage
-from torchtpu.exec import modes
+from torchtpu.exec import modes, opcall
+from torchtpu.ops import schema
 
 _library: ctypes.PyDLL | None = None
 _tried = False
@@ -87,14 +93,15 @@ def _load() -> ctypes.PyDLL | None:
             stacklevel=3,
         )
         return None
-    library.torchtpu_fast_init.argtypes = [ctypes.py_object] * 4 + [ctypes.c_longlong]
-    library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object]
+    library.torchtpu_fast_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_longlong]
+    library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.py_object,
+                                              ctypes.c_int]
     library.torchtpu_view_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     library.torchtpu_fast_calls.restype = ctypes.c_longlong
     library.torchtpu_fast_set_precision.argtypes = [ctypes.c_longlong]
     library.torchtpu_fast_set_mode.argtypes = [ctypes.c_int]
     library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn, deferred.record_known,
-                               storage.ADDRESS_CHUNK)
+                               _fits, storage.ADDRESS_CHUNK)
     modes.on_change.append(lambda mode: library.torchtpu_fast_set_mode(_SERVED.get(mode, -1)))
     library.torchtpu_fast_set_mode(_SERVED.get(modes.current(), -1))
     precision.on_change.append(lambda mode: library.torchtpu_fast_set_precision(precision.MODES.index(mode)))
@@ -116,15 +123,24 @@ def _load() -> ctypes.PyDLL | None:
 
 def readable(op: OpOverload) -> bool:
     """Whether the C++ kernel can key `op`'s calls: arguments it reads, and either only new
-    tensors out or an in-place update of `self` (`add_`, `fill_`, `_foreach_add_`)."""
+    tensors out (a list of them too) or an in-place update of `self` (`add_`, `fill_`,
+    `_foreach_add_`)."""
     schema = op._schema
     if not all(_readable_type(a.type) for a in schema.arguments):
         return False
     if schema.is_mutable:
         return updates_self(op)
+    if returns_list(op):
+        return schema.returns[0].alias_info is None
     return bool(schema.returns) and all(
         isinstance(r.type, torch.TensorType) and r.alias_info is None for r in schema.returns
     )
+
+
+def returns_list(op: OpOverload) -> bool:
+    """`op` returns one list of tensors (`_foreach_sqrt`)."""
+    returns = op._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
 
 
 def updates_self(op: OpOverload) -> bool:
@@ -147,16 +163,44 @@ def updates_self(op: OpOverload) -> bool:
 def _readable_type(t: Any) -> bool:
     if isinstance(t, torch.OptionalType):
         t = t.getElementType()
-    if isinstance(t, torch.ListType):  # int lists, and tensor lists (not of optional tensors)
-        return isinstance(t.getElementType(), (torch.IntType, torch.TensorType))
+    if isinstance(t, torch.ListType):  # int, Scalar and float lists, tensor lists (not of optional tensors)
+        return isinstance(t.getElementType(), (torch.IntType, torch.TensorType, torch.NumberType, torch.FloatType))
     return isinstance(t, (torch.TensorType, torch.IntType, torch.FloatType, torch.BoolType, torch.NumberType))
 
 
-def install(op: OpOverload) -> None:
-    """Put the C++ kernel on PrivateUse1 for `op` (its Python kernel goes to PrivateUse2)."""
+def install(op: OpOverload, dynamic_scalars: bool) -> None:
+    """Put the C++ kernel on PrivateUse1 for `op` (its Python kernel goes to PrivateUse2);
+    `dynamic_scalars`: its lowering takes Scalars as runtime values."""
     namespace, name = op.name().split("::")
-    if _library.torchtpu_fast_install(namespace.encode(), name.encode(), op) != 0:
+    codes = _argument_codes(op, dynamic_scalars)
+    if _library.torchtpu_fast_install(namespace.encode(), name.encode(), op, codes, int(returns_list(op))) != 0:
         raise RuntimeError(f"installing the fast dispatch kernel of {op} failed")
+
+
+def _argument_codes(op: OpOverload, dynamic_scalars: bool) -> tuple:
+    """How the C++ key reads each argument of `op`, by the encoder's rule for runtime values
+    (`opcall.Encoder`): (1, default) a Scalar its program takes at run time, unless it equals its
+    default of the same type (None: none); (2, None) a list of such Scalars; (0, None) anything
+    else, keyed by its value (Scalars too where the lowering keeps them static). Wrapped numbers
+    (`x * 3`) are always runtime values. Should the two ever disagree on a call, the runtime
+    values the Python kernel passed differ from the C++ kernel's and it keeps that key on the
+    Python kernel."""
+    codes = []
+    for arg in schema.signature(op).args:
+        if dynamic_scalars and arg.kind is schema.ArgKind.SCALAR:
+            default = arg.default if arg.has_default and type(arg.default) in _KEYED_NUMBERS else None
+            codes.append((1, default))
+        elif dynamic_scalars and arg.kind is schema.ArgKind.SCALAR_LIST:
+            codes.append((2, None))
+        else:
+            codes.append((0, None))
+    return tuple(codes)
+
+
+def _fits(classes: set | None, values: tuple) -> bool:
+    """Whether PyTorch's checks already passed runtime values of the class of `values` for a
+    plan (its `value_classes`): the C++ kernel may then run the call with them."""
+    return classes is not None and opcall.values_class(list(values)) in classes
 
 
 def install_view(op: OpOverload) -> None:
@@ -175,10 +219,10 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     """What the C++ kernel may do for the key of `op`'s call that the Python kernel just did, in
     the mode the kernel served it in (`mode_code`, of `_SERVED`): (jitted executable in strict
     mode or the call's plan in defer mode, its runtime values, device, new outputs, the number
-    of `self`'s storages it updates in place), or None when that call was not plain (or the mode
-    changed meanwhile). The runtime values must be numbers the C++ key holds: Scalar arguments
-    and Python numbers passed as tensors (not view offsets, which it does not read, nor the
-    values of host tensors)."""
+    of `self`'s storages it updates in place, the plan's value classes), or None when that call
+    was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
+    kernel reads: Scalar arguments and Python numbers passed as tensors (not view offsets,
+    which it does not read, nor the values of host tensors)."""
     noted, _noted.call = _noted.call, None
     mode = modes.current()
     if noted is None or noted[0] is not op or noted[1] is None or noted[2] is None:
@@ -206,13 +250,18 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
             return None
         if program.result != (("arg", 0) if op._schema.returns else ("none",)):
             return None
-        return runner, values, plan.device, [], written
+        return runner, values, plan.device, [], written, plan.value_classes
     n = len(program.new)
-    if program.written or n != len(op._schema.returns):
+    news = tuple(("new", i) for i in range(n))
+    if returns_list(op):
+        result = ("list", news)
+    elif n == len(op._schema.returns):
+        result = ("new", 0) if n == 1 else ("tuple", news)
+    else:
         return None
-    if program.result != (("new", 0) if n == 1 else ("tuple", tuple(("new", i) for i in range(n)))):
+    if program.written or program.result != result:
         return None
-    return runner, values, plan.device, _new_outputs(program), 0
+    return runner, values, plan.device, _new_outputs(program), 0, plan.value_classes
 
 
 def _new_outputs(program) -> list[tuple]:

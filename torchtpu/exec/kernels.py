@@ -124,7 +124,7 @@ def _register_lowered(op: OpOverload) -> None:
         return
     if fast_dispatch.enabled() and fast_dispatch.readable(op):
         _register(op, _lowered_kernel(op, noted=True), "PrivateUse2")
-        fast_dispatch.install(op)
+        fast_dispatch.install(op, lowering_for(op).dynamic_scalars)
     else:
         _register(op, _lowered_kernel(op))
 

@@ -371,7 +371,7 @@ class Encoder:
         call.dynamic = dynamic
         call.device = plan.device
         if dynamic:
-            kind = _values_class(_scalars(dynamic, plan.offsets))
+            kind = values_class(_scalars(dynamic, plan.offsets))
             if kind not in plan.value_classes:
                 _run_meta(call)
                 plan.value_classes.add(kind)
@@ -586,7 +586,7 @@ def _scalars(dynamic: list, offsets: frozenset[int]) -> list:
     return [v for slot, v in enumerate(dynamic) if slot not in offsets] if offsets else dynamic
 
 
-def _values_class(values: list) -> tuple:
+def values_class(values: list) -> tuple:
     """What PyTorch's checks of Scalar values can tell apart: each value's type, sign, range
     (the integer and float dtypes' limits, 0, 1, 2), integrality, and the order between the
     values of a call with few of them (`uniform_(from, to)`, `hardtanh(min_val, max_val)`)."""
@@ -604,10 +604,10 @@ def _validate_values(call: Call) -> None:
 
     A compiled program takes Scalars as runtime values, and its meta kernel ran once, with the
     first values: `pow(int_tensor, 2)` is valid, `pow(int_tensor, -1)` raises. Every call's
-    values are classed (`_values_class`, cheap), and each new class of a key runs the meta
+    values are classed (`values_class`, cheap), and each new class of a key runs the meta
     kernel once with the call's own values."""
     seen = _validated.setdefault(call.key, set())
-    kind = _values_class(_scalars(call.dynamic, offset_slots(call.key)))
+    kind = values_class(_scalars(call.dynamic, offset_slots(call.key)))
     if kind not in seen:
         _run_meta(call)
         seen.add(kind)

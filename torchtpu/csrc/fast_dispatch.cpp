@@ -58,6 +58,7 @@ PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new
 PyObject* learn = nullptr;          // learn(op, mode) -> None or what the op's last call did (see .py)
 PyObject* record_known = nullptr;   // record_known(plan, values, *buffers) -> the new outputs' buffers
 PyObject* fits = nullptr;           // fits(classes, values) -> whether PyTorch's checks saw values like these
+PyObject* empty_tuple = nullptr;    // ()
 int64_t address_chunk = 0;
 
 struct Gil {
@@ -669,14 +670,16 @@ std::unique_ptr<torch::Library> impl_library(const char* ns) {
 // A compiled graph's call (torchtpu/exec/compile.py) that repeats an earlier call's layout does
 // what that call did, as an op call does: `torchtpu_graph_call` keys the call's arguments (tensors
 // as above, numbers and None by value) and, for a key whose call the Python path reported as
-// plain (`fast_dispatch.learn_graph`: one strict executable, no runtime values, device-side checks
-// or host values), runs the executable on the written storages' arrays, installs the values of
-// the storages it writes (donated to it) and returns the graph's outputs: new tensors, arguments
-// passed through, constants. Strict mode only; anything else is the Python path's.
+// plain (`fast_dispatch.learn_graph`: one executable (strict) or plan (defer), no runtime
+// values, device-side checks or host values), in strict mode runs the executable on the written
+// storages' arrays and installs the values of the storages it writes (donated to it), in defer
+// mode records the plan on the storages' buffers (`deferred.record_known`, which makes the
+// written ones promises); then returns the graph's outputs: new tensors, arguments passed
+// through, constants. Each mode learns its own keys; anything else is the Python path's.
 
 struct GraphExecutable {
   Executable exe;  // runner, device and new outputs (no runtime values, nothing written in place)
-  std::vector<int64_t> written;  // storages whose buffers its first outputs replace, in order
+  std::vector<int64_t> written;  // storages whose buffers its first outputs replace (strict), in order
   // The graph's result, per entry: a new tensor (kind 0, index), an argument (1, index) or a
   // constant (2, value).
   struct Entry {
@@ -731,20 +734,30 @@ bool graph_layout(PyObject* args, Key& key, std::vector<c10::StorageImpl*>& stor
   return !storages.empty();
 }
 
-// Run a known graph call: its result list, or nullptr with a Python error set (the call failed
-// after its written storages' arrays were given away: raised, not re-run). Needs the GIL.
+// Run (strict) or record (defer) a known graph call: its result list, or nullptr with a Python
+// error set (the call failed after it was recorded or its written storages' arrays were given
+// away: raised, not re-run). `values`: the written storages' arrays (strict) or every storage's
+// buffer (defer). Needs the GIL.
 PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values,
-                    const std::vector<c10::StorageImpl*>& storages, PyObject* args) {
+                    const std::vector<c10::StorageImpl*>& storages, PyObject* args, int mode) {
   const Executable& exe = graph.exe;
-  PyObject* outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
+  PyObject* outs;
+  int64_t n_written = 0;  // the results before the new tensors': the written storages' (strict)
+  if (mode == kDefer) {
+    std::vector<PyObject*> recorded = {exe.runner, empty_tuple};
+    recorded.insert(recorded.end(), values.begin(), values.end());
+    outs = PyObject_Vectorcall(record_known, recorded.data(), recorded.size(), nullptr);
+  } else {
+    outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
+    n_written = static_cast<int64_t>(graph.written.size());
+  }
   if (outs == nullptr) return nullptr;
-  int64_t n_written = static_cast<int64_t>(graph.written.size());
   bool ok = true;
   for (int64_t k = 0; k < n_written && ok; ++k) ok = install(storages[graph.written[k]], outs, k);
   std::vector<PyObject*> fresh;  // the new tensors, wrapped
   for (size_t i = 0; i < exe.outputs.size() && ok; ++i) {
     PyObject* value = PySequence_GetItem(outs, static_cast<Py_ssize_t>(n_written + i));
-    at::Tensor t = new_output(exe.outputs[i], value, exe, false);
+    at::Tensor t = new_output(exe.outputs[i], value, exe, mode == kDefer);
     PyObject* wrapped = t.defined() ? THPVariable_Wrap(std::move(t)) : nullptr;
     ok = wrapped != nullptr;
     if (ok) fresh.push_back(wrapped);
@@ -831,6 +844,7 @@ int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* 
   learn = learn_fn;
   record_known = record_fn;
   fits = fits_fn;
+  empty_tuple = PyTuple_New(0);
   address_chunk = chunk;
   return 0;
 }
@@ -920,19 +934,20 @@ PyObject* torchtpu_graph_cache_new() {
 PyObject* torchtpu_graph_call(PyObject* capsule, PyObject* args) {
   auto* cache = static_cast<GraphCache*>(PyCapsule_GetPointer(capsule, kGraphCapsule));
   if (cache == nullptr || !PyTuple_Check(args)) return nullptr;
-  Key key;
+  int mode = eager_mode.load(std::memory_order_relaxed);
+  Key key = {mode};
   std::vector<c10::StorageImpl*> storages;
-  if (eager_mode.load(std::memory_order_relaxed) != kStrict || !graph_layout(args, key, storages)) Py_RETURN_NONE;
+  if (mode == kOther || !graph_layout(args, key, storages)) Py_RETURN_NONE;
   std::vector<PyObject*> values;
   PyObject* result = nullptr;
-  if (values_of(storages, key, values, false)) {
+  if (values_of(storages, key, values, mode == kDefer)) {
     auto found = cache->executables.find(key);
     if (found == cache->executables.end()) {
       result = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(key.data()),
                                          static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
     } else if (found->second->exe.runner != nullptr) {
       std::shared_ptr<const GraphExecutable> graph = found->second;
-      result = run_graph(*graph, values, storages, args);
+      result = run_graph(*graph, values, storages, args, mode);
     }
   }
   for (PyObject* v : values) Py_DECREF(v);

@@ -5,8 +5,8 @@ Dynamo captures the model; AOTAutograd turns it into functional ATen forward and
 storages -- the graph's nodes call the same registry lowerings as the eager executors
 (`torchtpu.exec.graph`) -- and runs through the current eager executor: strict mode jits it, defer
 mode records it as one node of the pending graph, so compiled regions fuse with the eager code
-around them. Graph breaks and the optimizer step outside the graph simply run eagerly. In strict
-mode a call that repeats a plain call's layout is done from C++ (`fast_dispatch.graph_call`).
+around them. Graph breaks and the optimizer step outside the graph simply run eagerly. A call that
+repeats a plain call's layout is run or recorded from C++ (`fast_dispatch.graph_call`).
 Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
 tensors, not copies; an input the graph `copy_`s into (state a backward writes, the parameters a
 compiled optimizer step updates) is written in place.

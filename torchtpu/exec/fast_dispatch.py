@@ -28,8 +28,8 @@ the Python kernel, which stays the one definition of what an op does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`). Compiled graphs' calls take
-the same road in strict mode (`graph_call`): keyed by their arguments' layout, a plain call's
-executable runs from C++ and its outputs are assembled there.
+the same road (`graph_call`): keyed by their arguments' layout, a plain call's executable runs
+(strict) or its plan is recorded (defer) from C++ and its outputs are assembled there.
 
 Without a C++ compiler, or with `TORCHTPU_FAST_DISPATCH=0`, the Python kernels stay on
 PrivateUse1: the same results, slower. `torchtpu.metrics()["eager_fast_calls"]` counts the
@@ -289,19 +289,29 @@ def graph_call(cache: Any, args: tuple) -> list | bytes | None:
 
 def learn_graph(cache: Any, key: bytes, call) -> None:
     """Tell the C++ cache what the Python path did for the graph call of `key` (a
-    `compile.GraphCall`): the executable and how to assemble its result if the call was plain --
-    strict, one executable not spread over devices, no runtime values (random bits, bucket
-    sizes, host scalars), no device-side checks, a result of new tensors, arguments passed through
-    and constants -- else that the key always takes the Python path."""
+    `compile.GraphCall`, in the mode `key` was made in): the executable (strict) or plan (defer)
+    and how to assemble its result if the call was plain -- one executable not spread over
+    devices, no runtime values (random bits, bucket sizes, host scalars), no device-side checks,
+    a result of new tensors, arguments passed through and constants -- else that the key always
+    takes the Python path."""
     _library.torchtpu_graph_learn(cache, key, _graph_info(call))
 
 
 def _graph_info(call) -> tuple | None:
-    plan = call.plan
-    exe = plan.executable if plan is not None and modes.current() == "strict" else None
-    if exe is None or exe.sharded or call.dynamic:
+    plan, mode = call.plan, modes.current()
+    if plan is None or call.dynamic:
         return None
-    program = exe.program
+    if mode == "strict":
+        exe = plan.executable
+        if exe is None or exe.sharded:
+            return None
+        runner, program = exe.jitted, exe.program
+    elif mode == "defer":
+        runner, program = plan, plan.program
+        if program is None:
+            return None
+    else:
+        return None
     if program.checks or program.result[0] != "list":
         return None
     kinds = {"new": 0, "arg": 1, "const": 2}
@@ -310,7 +320,7 @@ def _graph_info(call) -> tuple | None:
         if entry[0] not in kinds:
             return None
         result.append((kinds[entry[0]], entry[1]))
-    return exe.jitted, plan.device, _new_outputs(program), tuple(program.written), tuple(result)
+    return runner, plan.device, _new_outputs(program), tuple(program.written), tuple(result)
 
 
 def clear() -> None:

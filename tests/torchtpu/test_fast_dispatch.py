@@ -142,6 +142,21 @@ def test_numbers_that_change_every_call_run_from_cpp_with_each_calls_values(mode
 
 
 @pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_0_dim_cpu_tensors_are_runtime_values_of_calls_from_cpp(mode):
+    a = torch.randn(4, 7) if mode == "strict" else torch.randn(4, 8)  # keys of their own
+    ta = a.to("tpu")
+    before = _fast_calls()
+    with torchtpu.eager_mode(mode):
+        for value in (0.5, 0.25, 0.75, 3.0):
+            s = torch.tensor(value)
+            torch.testing.assert_close((ta * s).cpu(), a * s)
+            torch.testing.assert_close(torch.where(ta > 0, ta, s).cpu(), torch.where(a > 0, a, s))
+    # `ta > 0`: every call after the first; `* s` and `where`: 0.25 and 0.75 (3.0, a new class
+    # of value, is checked by the Python kernel first).
+    assert _fast_calls() - before == 3 + 2 + 2
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
 def test_a_number_of_a_class_pytorch_rejects_raises_though_its_key_is_known(mode):
     n = torch.randint(1, 5, (3,))
     tn = n.to("tpu")

@@ -12,8 +12,8 @@
 // executable runs on the storages' device arrays (those ever written) and the call's runtime
 // numbers; in defer mode the call's plan is recorded into the pending graph
 // (`deferred.record_known`, one Python call) on the storages' buffers. The runtime numbers --
-// Scalar arguments, Scalar lists, Python numbers passed as tensors, as the Python encoder takes
-// them -- are keyed by their types, not their values (a learning rate that changes every step
+// Scalar arguments, Scalar lists, Python numbers and 0-dim CPU tensors passed as tensors, as the
+// Python encoder takes them -- are keyed by their types, not their values (a learning rate that changes every step
 // keeps its key), and a call passes its own; new values of a class that PyTorch's checks never
 // saw for the key (`fits`) take the Python kernel, which checks them. Each mode learns its own
 // keys. Anything else -- another eager mode, an unknown or non-plain key, a sharded or untyped
@@ -88,9 +88,9 @@ struct Addresses {
 };
 thread_local Addresses addresses;
 
-// A number an op's program takes at run time: a Scalar argument, an element of a Scalar list, or a
-// Python number passed as a tensor (`x * 3`). `tag` is its Python type (3 float, 4 int, 5 bool),
-// `bits` its value (a float's bit pattern).
+// A number an op's program takes at run time: a Scalar argument, an element of a Scalar list, a
+// Python number passed as a tensor (`x * 3`) or a 0-dim CPU tensor's value. `tag` is its Python
+// type (3 float, 4 int, 5 bool), `bits` its value (a float's bit pattern).
 struct Number {
   int64_t tag, bits;
   bool operator==(const Number& other) const { return tag == other.tag && bits == other.bits; }
@@ -110,10 +110,10 @@ struct Executable {
   // The jitted executable (strict) or the call's plan (defer); nullptr: the Python kernel
   // handles this key.
   PyObject* runner = nullptr;
-  // The numbers its program takes at run time (a tuple; `learned`, the same as Numbers): Scalar
-  // arguments and Python numbers passed as tensors, as the call it learned from passed them. A
-  // later call passing other numbers of a class PyTorch's checks saw (`classes`, the plan's set
-  // of value classes, see `fits`) passes its own; any other takes the Python kernel.
+  // The numbers its program takes at run time (a tuple; `learned`, the same as Numbers), as the
+  // call it learned from passed them. A later call passing other numbers of a class PyTorch's
+  // checks saw (`classes`, the plan's set of value classes, see `fits`) passes its own; any other
+  // takes the Python kernel.
   PyObject* values = nullptr;
   std::vector<Number> learned;
   PyObject* classes = nullptr;
@@ -180,14 +180,40 @@ struct ArgCode {
   Number fallback{0, 0};  // the default, when `has_default`
 };
 
+// A 0-dim CPU tensor's value as the Python kernel reads it (`Tensor.item()`); false for a dtype
+// whose value is not a float, int or bool.
+bool host_number(const at::Tensor& t, Number& x) {
+  at::ScalarType type = t.scalar_type();
+  if (type == at::kBool) {
+    x = {5, t.item<bool>()};
+  } else if (at::isIntegralType(type, /*includeBool=*/false)) {
+    x = {4, t.item<int64_t>()};
+  } else if (at::isFloatingType(type)) {
+    double d = t.item<double>();
+    x.tag = 3;
+    std::memcpy(&x.bits, &d, sizeof x.bits);
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // A tensor's part of a call's key, its storage joining `storages` (in order of first use); false
 // when this path does not read it (a view with an offset, another device, ...). A Python number
 // passed as a tensor (`x * 3`) is a runtime value of the program: with `numbers`, keyed by its
-// type and appended there; without (a compiled graph's argument), keyed by its value.
+// type and appended there; without (a compiled graph's argument), keyed by its value. With
+// `numbers`, a 0-dim CPU tensor is a runtime value too (keyed by its dtype).
 bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>& storages,
                    std::vector<Number>* numbers = nullptr) {
   if (!t.defined()) {
     key.push_back(-1);
+    return true;
+  }
+  if (numbers != nullptr && t.is_cpu() && t.dim() == 0 && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    Number x;
+    if (!host_number(t, x)) return false;
+    key.insert(key.end(), {12, static_cast<int64_t>(t.scalar_type())});
+    numbers->push_back(x);
     return true;
   }
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) {

@@ -9,7 +9,8 @@ lists, numbers, int and Scalar lists, None) and that returns new tensors (or one
 registered for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each
 call by its layout (which storages were ever written included), per eager mode, and its static
 values; the numbers that the encoder passes to the program at run time (Scalars, Scalar lists,
-Python numbers passed as tensors, `x * 3`: `_argument_codes`) by their types only. The first
+Python numbers and 0-dim CPU tensors passed as tensors, `x * 3`: `_argument_codes`) by their
+types only. The first
 call of a key goes to the Python kernel, which encodes and runs (or records) it as always and
 notes what it did (`note`); `learn` then tells the C++ kernel whether the call was *plain* --
 one Program of exactly the call's storages, no device-side checks, only new tensors out (or, for
@@ -221,8 +222,8 @@ def _learn(op: OpOverload, mode_code: int) -> tuple | None:
     mode or the call's plan in defer mode, its runtime values, device, new outputs, the number
     of `self`'s storages it updates in place, the plan's value classes), or None when that call
     was not plain (or the mode changed meanwhile). The runtime values must be numbers the C++
-    kernel reads: Scalar arguments and Python numbers passed as tensors (not view offsets,
-    which it does not read, nor the values of host tensors)."""
+    kernel reads: Scalar arguments, Python numbers and 0-dim CPU tensors passed as tensors (not
+    view offsets, which it does not read)."""
     noted, _noted.call = _noted.call, None
     mode = modes.current()
     if noted is None or noted[0] is not op or noted[1] is None or noted[2] is None:

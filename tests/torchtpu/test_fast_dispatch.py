@@ -505,6 +505,31 @@ def test_compiled_training_steps_from_cpp_match_cpu(mode):
     assert fast == 3 * 3  # forward, backward, update: every call after the first
 
 
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_random_compiled_graphs_draw_a_new_key_each_call_from_cpp(mode):
+    """Dropout in a compiled graph: calls from C++ draw the next RNG key as the Python path does
+    (a fresh mask every call; the same seed, the same masks, whichever path made them), and the
+    kept elements are the input scaled by 1 / (1 - p), as PyTorch's dropout makes them."""
+    g = torch.compile(lambda t: torch.nn.functional.dropout(t, p=0.5, training=True) * 1.0, backend="tpu")
+    x = torch.rand(16, 32) + 0.5
+    tx = x.to("tpu")
+    with torchtpu.eager_mode(mode):
+        runs = []
+        for _ in range(2):  # the first run's first call is the Python path's, the second run's not
+            torch.manual_seed(7)
+            before = _graph_fast_calls()
+            runs.append([g(tx).cpu() for _ in range(3)])
+        assert _graph_fast_calls() - before == 3
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first, second, _ = runs[0]
+    assert not torch.equal(first != 0, second != 0)
+    for out in runs[0]:
+        kept = out != 0
+        assert 0.3 < kept.float().mean() < 0.7
+        torch.testing.assert_close(out[kept], (x * 2.0)[kept])
+
+
 def test_a_compiled_graph_call_of_another_layout_takes_the_python_path():
     g = torch.compile(lambda a, b: (a * b).sum(0), backend="tpu", dynamic=False)
     a = torch.randn(4, 4)

@@ -696,12 +696,13 @@ std::unique_ptr<torch::Library> impl_library(const char* ns) {
 // A compiled graph's call (torchtpu/exec/compile.py) that repeats an earlier call's layout does
 // what that call did, as an op call does: `torchtpu_graph_call` keys the call's arguments (tensors
 // as above, numbers and None by value) and, for a key whose call the Python path reported as
-// plain (`fast_dispatch.learn_graph`: one executable (strict) or plan (defer), no runtime
-// values, device-side checks or host values), in strict mode runs the executable on the written
-// storages' arrays and installs the values of the storages it writes (donated to it), in defer
-// mode records the plan on the storages' buffers (`deferred.record_known`, which makes the
-// written ones promises); then returns the graph's outputs: new tensors, arguments passed
-// through, constants. Each mode learns its own keys; anything else is the Python path's.
+// plain (`fast_dispatch.learn_graph`: one executable (strict) or plan (defer), no runtime values
+// but a random graph's RNG key, which each call draws, no device-side checks or host values), in
+// strict mode runs the executable on the written storages' arrays and installs the values of the
+// storages it writes (donated to it), in defer mode records the plan on the storages' buffers
+// (`deferred.record_known`, which makes the written ones promises); then returns the graph's
+// outputs: new tensors, arguments passed through, constants. Each mode learns its own keys;
+// anything else is the Python path's.
 
 struct GraphExecutable {
   Executable exe;  // runner, device and new outputs (no runtime values, nothing written in place)
@@ -714,12 +715,16 @@ struct GraphExecutable {
     PyObject* value;
   };
   std::vector<Entry> result;
+  // A random graph's source of RNG keys (a callable drawing the next key words of its device,
+  // the one runtime value it takes), or nullptr.
+  PyObject* keys = nullptr;
 
   GraphExecutable() = default;
   GraphExecutable(const GraphExecutable&) = delete;
   GraphExecutable& operator=(const GraphExecutable&) = delete;
   ~GraphExecutable() {
     for (Entry& entry : result) Py_XDECREF(entry.value);
+    Py_XDECREF(keys);
   }
 };
 
@@ -767,16 +772,27 @@ bool graph_layout(PyObject* args, Key& key, std::vector<c10::StorageImpl*>& stor
 PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values,
                     const std::vector<c10::StorageImpl*>& storages, PyObject* args, int mode) {
   const Executable& exe = graph.exe;
+  PyObject* key = graph.keys == nullptr ? nullptr : PyObject_CallNoArgs(graph.keys);
+  if (graph.keys != nullptr && key == nullptr) return nullptr;
+  PyObject* runtime = key == nullptr ? empty_tuple : PyTuple_Pack(1, key);
+  if (runtime == nullptr) {
+    Py_XDECREF(key);
+    return nullptr;
+  }
   PyObject* outs;
   int64_t n_written = 0;  // the results before the new tensors': the written storages' (strict)
   if (mode == kDefer) {
-    std::vector<PyObject*> recorded = {exe.runner, empty_tuple};
+    std::vector<PyObject*> recorded = {exe.runner, runtime};
     recorded.insert(recorded.end(), values.begin(), values.end());
     outs = PyObject_Vectorcall(record_known, recorded.data(), recorded.size(), nullptr);
   } else {
-    outs = PyObject_Vectorcall(exe.runner, values.data(), values.size(), nullptr);
+    std::vector<PyObject*> inputs(values.begin(), values.end());
+    if (key != nullptr) inputs.push_back(key);
+    outs = PyObject_Vectorcall(exe.runner, inputs.data(), inputs.size(), nullptr);
     n_written = static_cast<int64_t>(graph.written.size());
   }
+  if (runtime != empty_tuple) Py_DECREF(runtime);
+  Py_XDECREF(key);
   if (outs == nullptr) return nullptr;
   bool ok = true;
   for (int64_t k = 0; k < n_written && ok; ++k) ok = install(storages[graph.written[k]], outs, k);
@@ -806,13 +822,17 @@ PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values
   return list;
 }
 
-// What `learn_graph` reported for a plain graph call: (jitted executable, device, new outputs,
-// written storages, result entries ((kind, index or value), ...)).
+// What `learn_graph` reported for a plain graph call: (jitted executable or plan, device, new
+// outputs, written storages, result entries ((kind, index or value), ...), RNG key source or None).
 bool read_graph_executable(PyObject* info, GraphExecutable& graph) {
-  PyObject *runner, *device, *outputs, *written, *result;
-  if (!PyArg_ParseTuple(info, "OOOO!O!", &runner, &device, &outputs, &PyTuple_Type, &written, &PyTuple_Type,
-                        &result)) {
+  PyObject *runner, *device, *outputs, *written, *result, *keys;
+  if (!PyArg_ParseTuple(info, "OOOO!O!O", &runner, &device, &outputs, &PyTuple_Type, &written, &PyTuple_Type,
+                        &result, &keys)) {
     return false;
+  }
+  if (keys != Py_None) {
+    Py_INCREF(keys);
+    graph.keys = keys;
   }
   Executable& exe = graph.exe;
   exe.index = static_cast<c10::DeviceIndex>(PyLong_AsLong(device));

@@ -128,7 +128,7 @@ class CompiledGraph:
         )
         self.plans = opcall.plan_table()
         # Calls of known layouts are done from C++ (`fast_dispatch.graph_call`), as op calls are.
-        plain = not (self.symbolic or self.random or self.host_written)
+        plain = not (self.symbolic or self.host_written)
         self.fast = fast_dispatch.graph_cache() if plain else None
 
     def __call__(self, *args: Any) -> Any:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import threading
 import warnings
@@ -50,6 +51,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import counters, precision, storage
+from torchtpu import random as tpu_random
 from torchtpu.exec import modes, opcall
 from torchtpu.ops import schema
 
@@ -292,15 +294,16 @@ def learn_graph(cache: Any, key: bytes, call) -> None:
     """Tell the C++ cache what the Python path did for the graph call of `key` (a
     `compile.GraphCall`, in the mode `key` was made in): the executable (strict) or plan (defer)
     and how to assemble its result if the call was plain -- one executable not spread over
-    devices, no runtime values (random bits, bucket sizes, host scalars), no device-side checks,
-    a result of new tensors, arguments passed through and constants -- else that the key always
-    takes the Python path."""
+    devices, no runtime values but a random graph's RNG key (which each call draws, as the
+    Python path does: `keys`), no device-side checks, a result of new tensors, arguments passed
+    through and constants -- else that the key always takes the Python path."""
     _library.torchtpu_graph_learn(cache, key, _graph_info(call))
 
 
 def _graph_info(call) -> tuple | None:
     plan, mode = call.plan, modes.current()
-    if plan is None or call.dynamic:
+    random = call.graph.random
+    if plan is None or len(call.dynamic) != int(random):  # its only runtime value: the RNG key
         return None
     if mode == "strict":
         exe = plan.executable
@@ -321,7 +324,8 @@ def _graph_info(call) -> tuple | None:
         if entry[0] not in kinds:
             return None
         result.append((kinds[entry[0]], entry[1]))
-    return runner, plan.device, _new_outputs(program), tuple(program.written), tuple(result)
+    keys = functools.partial(tpu_random.next_key_words, plan.device) if random else None
+    return runner, plan.device, _new_outputs(program), tuple(program.written), tuple(result), keys
 
 
 def clear() -> None:

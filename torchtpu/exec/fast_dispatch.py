@@ -9,23 +9,21 @@ lists, numbers, int and Scalar lists, None) and that returns new tensors (or one
 registered for PrivateUse1 and the Python kernel moves to PrivateUse2. The C++ kernel keys each
 call by its layout (which storages were ever written included), per eager mode, and its static
 values; the numbers that the encoder passes to the program at run time (Scalars, Scalar lists,
-Python numbers and 0-dim CPU tensors passed as tensors, `x * 3`: `_argument_codes`) by their
-types only. The first
-call of a key goes to the Python kernel, which encodes and runs (or records) it as always and
-notes what it did (`note`); `learn` then tells the C++ kernel whether the call was *plain* --
-one Program of exactly the call's storages, no device-side checks, only new tensors out (or, for
-an in-place op, only `self`'s storages written and `self` returned, or nothing for a list), not
-random, no runtime values but those numbers -- and if so, later calls with that key are done
-from C++, with their own numbers: in strict mode it runs the cached executable on the written
-storages' arrays (an in-place call donates `self`'s arrays, and the results become their
-buffers' values, as in `eager.finish`), in defer mode it records the call's plan
-(`deferred.record_known`, which makes `self`'s buffers promises). Numbers unlike the first
-call's are checked as the Python kernel checks them: a call whose values are of a class that
-PyTorch's checks never passed for the key (`_fits`; `pow(int_tensor, -1)` after
-`pow(int_tensor, 2)`) takes the Python kernel, which runs the checks. So a learning rate, a
-gradient scale or Adam's bias corrections that change every step still run from C++.
-Everything else (the debug mode, views with offsets, sharded or untyped buffers, errors) takes
-the Python kernel, which stays the one definition of what an op does.
+Python numbers and 0-dim CPU tensors passed as tensors, `x * 3`: `_argument_codes`) by their types
+only. The first call of a key goes to the Python kernel, which encodes and runs (or records) it as
+always and notes what it did (`note`); `learn` then tells the C++ kernel whether the call was
+*plain* -- one Program of exactly the call's storages, no device-side checks, only new tensors out
+(or, for an in-place op, only `self`'s storages written and `self` returned, or nothing for a
+list), not random, no runtime values but those numbers -- and if so, later calls with that key are
+done from C++, with their own numbers: in strict mode it runs the cached executable on the written
+storages' arrays (an in-place call donates `self`'s arrays, and the results become their buffers'
+values, as in `eager.finish`), in defer mode it records the call's plan (`deferred.record_known`,
+which makes `self`'s buffers promises). Numbers unlike the first call's are checked as the Python
+kernel checks them: a call whose values are of a class that PyTorch's checks never passed for the
+key (`_fits`; `pow(int_tensor, -1)` after `pow(int_tensor, 2)`) takes the Python kernel, which runs
+the checks. So a learning rate, a gradient scale or Adam's bias corrections that change every step
+still run from C++. Everything else (the debug mode, views with offsets, sharded or untyped
+buffers, errors) takes the Python kernel, which stays the one definition of what an op does.
 
 The view kernels are C++ too where this is installed: a view only changes metadata, which
 PyTorch's CPU kernel does for a tpu tensor as well (`install_view`). Compiled graphs' calls take
@@ -53,7 +51,7 @@ from torch._ops import OpOverload
 from torchtpu import counters, precision, storage
 from torchtpu import random as tpu_random
 from torchtpu.exec import modes, opcall
-from torchtpu.ops import schema
+from torchtpu.ops.schema import ArgKind, signature
 
 _library: ctypes.PyDLL | None = None
 _tried = False
@@ -185,15 +183,15 @@ def _argument_codes(op: OpOverload, dynamic_scalars: bool) -> tuple:
     (`opcall.Encoder`): (1, default) a Scalar its program takes at run time, unless it equals its
     default of the same type (None: none); (2, None) a list of such Scalars; (0, None) anything
     else, keyed by its value (Scalars too where the lowering keeps them static). Wrapped numbers
-    (`x * 3`) are always runtime values. Should the two ever disagree on a call, the runtime
-    values the Python kernel passed differ from the C++ kernel's and it keeps that key on the
-    Python kernel."""
+    (`x * 3`) and 0-dim CPU tensors are always runtime values. Should the two ever disagree on a
+    call, the runtime values the Python kernel passed differ from the C++ kernel's and it keeps
+    that key on the Python kernel."""
     codes = []
-    for arg in schema.signature(op).args:
-        if dynamic_scalars and arg.kind is schema.ArgKind.SCALAR:
+    for arg in signature(op).args:
+        if dynamic_scalars and arg.kind is ArgKind.SCALAR:
             default = arg.default if arg.has_default and type(arg.default) in _KEYED_NUMBERS else None
             codes.append((1, default))
-        elif dynamic_scalars and arg.kind is schema.ArgKind.SCALAR_LIST:
+        elif dynamic_scalars and arg.kind is ArgKind.SCALAR_LIST:
             codes.append((2, None))
         else:
             codes.append((0, None))

@@ -1,8 +1,9 @@
 """The eager modes' C++ fast path (torchtpu/exec/fast_dispatch.py): repeated plain calls run
 (strict) or are recorded (defer) from C++ and give what PyTorch on CPU gives, in-place ones
-updating `self`'s storages, compiled graphs' calls too; every call that is not plain --
-other static or Scalar values, views with offsets, another matmul precision, the debug mode --
-still gets its own program; an error while recording from C++ is the call's error."""
+updating `self`'s storages, compiled graphs' calls too (random ones drawing their keys), with each
+call's own runtime numbers; every call that is not plain -- other static values, numbers of a
+class PyTorch's checks have not passed, views with offsets, another matmul precision, the debug
+mode -- still gets its own program; an error while recording from C++ is the call's error."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@
 // numbers; in defer mode the call's plan is recorded into the pending graph
 // (`deferred.record_known`, one Python call) on the storages' buffers. The runtime numbers --
 // Scalar arguments, Scalar lists, Python numbers and 0-dim CPU tensors passed as tensors, as the
-// Python encoder takes them -- are keyed by their types, not their values (a learning rate that changes every step
-// keeps its key), and a call passes its own; new values of a class that PyTorch's checks never
-// saw for the key (`fits`) take the Python kernel, which checks them. Each mode learns its own
+// Python encoder takes them -- are keyed by their types, not their values (a learning rate that
+// changes every step keeps its key), and a call passes its own; new values of a class that
+// PyTorch's checks never saw for the key (`fits`) take the Python kernel, which checks them. Each mode learns its own
 // keys. Anything else -- another eager mode, an unknown or non-plain key, a sharded or untyped
 // storage -- redispatches to the Python kernel, which is the one definition of what an op does.
 #include <Python.h>
@@ -180,12 +180,17 @@ struct ArgCode {
   Number fallback{0, 0};  // the default, when `has_default`
 };
 
-// A 0-dim CPU tensor's value as the Python kernel reads it (`Tensor.item()`); false for a dtype
-// whose value is not a float, int or bool.
+// A 0-dim CPU tensor's value (a wrapped number's too) as the Python kernel reads it
+// (`Tensor.item()`); false for a dtype whose value is not a float, int or bool.
 bool host_number(const at::Tensor& t, Number& x) {
   at::ScalarType type = t.scalar_type();
-  if (type == at::kBool) {
-    x = {5, t.item<bool>()};
+  if (type == at::kDouble) {  // the wrapped numbers' dtypes, read without a dispatch
+    x.tag = 3;
+    std::memcpy(&x.bits, t.const_data_ptr<double>(), sizeof x.bits);
+  } else if (type == at::kLong) {
+    x = {4, *t.const_data_ptr<int64_t>()};
+  } else if (type == at::kBool) {
+    x = {5, *t.const_data_ptr<bool>()};
   } else if (at::isIntegralType(type, /*includeBool=*/false)) {
     x = {4, t.item<int64_t>()};
   } else if (at::isFloatingType(type)) {
@@ -209,26 +214,15 @@ bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>
     key.push_back(-1);
     return true;
   }
-  if (numbers != nullptr && t.is_cpu() && t.dim() == 0 && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+  bool wrapped = t.unsafeGetTensorImpl()->is_wrapped_number();
+  if (wrapped || (numbers != nullptr && t.is_cpu() && t.dim() == 0)) {
     Number x;
     if (!host_number(t, x)) return false;
-    key.insert(key.end(), {12, static_cast<int64_t>(t.scalar_type())});
-    numbers->push_back(x);
-    return true;
-  }
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-    Number x;
-    if (t.scalar_type() == at::kDouble) {
-      x.tag = 3;
-      std::memcpy(&x.bits, t.const_data_ptr<double>(), sizeof x.bits);
-    } else if (t.scalar_type() == at::kLong) {
-      x = {4, *t.const_data_ptr<int64_t>()};
-    } else if (t.scalar_type() == at::kBool) {
-      x = {5, *t.const_data_ptr<bool>()};
+    if (wrapped) {
+      key.push_back(x.tag + 4);  // 7, 8, 9
     } else {
-      return false;
+      key.insert(key.end(), {12, static_cast<int64_t>(t.scalar_type())});
     }
-    key.push_back(x.tag + 4);  // 7, 8, 9
     if (numbers != nullptr) {
       numbers->push_back(x);
     } else {

@@ -392,11 +392,11 @@ class Encoder:
                     dynamic.append(v)  # a wrapped number
                     parts.append(type(v))
                     continue
-                if v.device.type == "cpu" and v.dim() == 0:
+                buffer = getattr(v.untyped_storage(), BUFFER_ATTR, None)
+                if buffer is None and v.device.type == "cpu" and v.dim() == 0:
                     dynamic.append(v.item())  # a host scalar, as `Inputs.tensor` reads it
                     parts.append(("host", v.dtype))
                     continue
-                buffer = getattr(v.untyped_storage(), BUFFER_ATTR, None)
                 if buffer is None or buffer.untyped or buffer.sharded:
                     raise GeneralEncoding
                 index = seen.get(id(buffer))

@@ -1,39 +1,47 @@
-"""Agreeing on all-to-all sizes before data moves, and moving data on a guess while agreeing.
+"""Agreeing on all-to-all sizes before data moves, and moving data on guessed sizes.
 
 Gloo aborts the process, or waits forever, when a rank sends a peer more or fewer bytes than the
 peer expects. So before an all-to-all every rank's sizes are gathered (each rank sends every
 other rank its row of sizes, `pairwise`) and checked (`checks.check_exchange_table`): every rank
 reaches the same verdict, and only agreed sizes ever reach gloo.
 
-That gather costs a round trip as long as a small all-to-all itself. Repeated exchanges of one
-shape (the pooled embeddings of every training step, a benchmark) need not wait for it: once two
-consecutive all-to-alls of a group agreed on the same sizes, the next one *guesses* those sizes:
-it sends its row, then launches the data exchange with them, so the rows travel while the data
-does. Every rank decides alike -- the decision depends only on agreements that every rank saw --
-and every rank sends and receives exactly the guessed sizes, on scratch buffers if its own call
-differs from the guess, so gloo always sees matching sizes. When the gathered sizes equal the
-guess, the data exchange already under way is the answer. Otherwise every rank waits for it to
-finish, then either raises the disagreement (outputs then hold unspecified data, as after any
-failed collective) or runs the exchange again with the agreed sizes, which overwrites every
-output row. No result is ever taken from a guess that the gathered sizes did not confirm.
-`torchtpu.metrics()` counts guesses confirmed (`dist_all_to_all_guessed`) and missed
-(`dist_all_to_all_guess_missed`).
+That gather costs a round trip as long as a small all-to-all itself, and two messages per peer
+beside the data (on 2 cores at world size 2 they took the exchange from ~0.55 ms to ~0.85-1.5 ms
+at 1 MiB, even moving while the data did). Repeated exchanges of one shape (the pooled embeddings
+of every training step, a benchmark) need not pay it: once two consecutive all-to-alls of a group
+agreed on the same sizes, the next ones *guess* those sizes and gather nothing. Every rank
+exchanges the guessed sizes -- on scratch buffers if its own call differs from the guess, so that
+gloo always sees matching sizes -- and a rank whose call differs first sends every peer a
+*notice* (`_Notices`). Once every peer's data arrived, a rank has every notice sent to it, so
+every rank knows whether any call differed: if none did, the exchange on the guess is the answer;
+if one did, every rank gathers the sizes after all and either raises the disagreement (outputs
+then hold unspecified data, as after any failed collective) or runs the exchange again with the
+agreed sizes, which overwrites every output row. No result is ever taken from a guess that any
+rank's call differs from. Every rank decides alike: whether to guess depends only on agreements that every
+rank saw. `torchtpu.metrics()` counts guesses confirmed (`dist_all_to_all_guessed`) and missed
+(`dist_all_to_all_guess_missed`). On a guess the call returns once its data arrived (its work is
+complete), where an agreed exchange returns once it started.
+
+Why a notice sent before the data arrives before it: gloo's tcp pair sends every message in the
+order it was posted, and a message goes out only once the peer posted its receive and said so
+(its ready-notices travel in order too). Each rank posts its receive of a peer's next notice
+(of each parity, `_Notices`) when it consumed the last one (at the end of an exchange), before
+the receives of any data that notice can precede; so by the time the sender may send that data it has seen the notice's
+receive posted, and its notice, sent first, is in the stream ahead of the data. An exchange sends
+every peer a message, empty regions included (`pairwise`), so there is always data to wait for.
 
 Each rank posts the receives of the next gather's rows as soon as it has read the last table, so
 a peer's row is written straight into the table when the peer sends it: gloo's rendezvous (the
 receiver's notice that it is ready, then the bytes) is not waited on during the call. The rows
-have a tag sequence of their own (`pairwise`), so receives posted ahead never meet data. A row
-goes out before the data: sent after it, it waits for the connection, which gloo's event loop
-holds while it reads the peer's data (at 16 MiB, ~1 ms on 2 cores).
+have a tag sequence of their own (`pairwise`), so receives posted ahead never meet data.
 
-The rows do not travel inside the guessed data exchange instead of the gather (each message its
-sender's row, then its region): that copies the input into framed send buffers and the received
-regions out into the output. Measured twice at world size 2: when both were gloo collectives
-(bus bandwidth against gloo: 0.35-0.74x at 1 MiB, 0.44-0.55x at 4 and 16 MiB, against 0.48-0.73x
-and 0.73-1.02x with the gather), and as point-to-point messages, alternating with the gather in
-one process (wall / CPU us per call: 2011 / 1243 framed against 1991 / 1365 at 1 MiB, 4258 / 3234
-against 3339 / 2550 at 4 MiB). Nor does a gloo group of their own for the rows, off the data's
-connections, pay (1 MiB: 1761-2043 us against 1600-2186 us).
+Before the notices, a guess was confirmed by gathering the sizes anyway while the guessed data
+moved (each rank sent its row first, then the data). That kept the round trip off the critical
+path but not its messages. The rows did not pay inside the data either (each message its
+sender's row, then its region: copies into framed send buffers and out of the received ones):
+measured twice at world size 2, as gloo collectives (bus bandwidth against gloo: 0.35-0.74x at
+1 MiB, 0.44-0.55x at 4 and 16 MiB) and as point-to-point messages (wall / CPU us per call: 2011 /
+1243 framed against 1991 / 1365 at 1 MiB); nor on a gloo group of their own.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import torch.distributed as dist
 from torchtpu import counters
 from torchtpu.distributed import checks
 from torchtpu.distributed.checks import ExchangeSizes
-from torchtpu.distributed.pairwise import ROWS, Pairwise, PairwiseWork
+from torchtpu.distributed.pairwise import NOTICES, ROWS, Pairwise, PairwiseWork, tag_of
 from torchtpu.distributed.work import CollectiveError
 
 # `stage(sizes)` stages this rank's buffers for an exchange of `sizes` and returns what starts it.
@@ -70,6 +78,8 @@ class SizeExchange:
         self._row_of = list(self._rows)
         self._own_row = [self._row_of[rank]] * size
         self._incoming: tuple[int, PairwiseWork] | None = None
+        self._notices = _Notices(pairwise, rank, size)
+        self._guessed_exchanges = 0  # numbered alike on every rank: all make the same guesses
         # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
         # agreement before it was the same: the guess for the next call, and this rank's row in it.
         self._table: bytes | None = None
@@ -83,37 +93,47 @@ class SizeExchange:
 
     def all_to_all(self, collective: str, row: tuple[int, ...], stage: Stage, unit: str, send_name: str,
                    recv_name: str) -> dist.Work:
-        """Agree on sizes, then start this rank's part of the exchange, staged by `stage(sizes)`;
-        on a guess, staged before this rank's row is sent and started right after (see the
-        module docstring)."""
-        guess = self._guess
-        early = None
+        """This rank's part of an exchange, staged by `stage(sizes)`: on the guessed sizes if
+        every rank's call matches them, else on agreed sizes (see the module docstring)."""
+        if self._guess is not None:
+            guessed = self._exchange_on_guess(collective, row, stage)
+            if guessed is not None:
+                return guessed
         try:
-            start = None
-            if guess is not None:
-                start = stage(guess) if row == self._guessed_row else self._stand_in(guess)
-            pending = self._gather(collective, row)
-            if start is not None:
-                early = start()
-            table = self._gathered(collective, pending)
-            gathered = table.tobytes()
-            repeated = gathered == self._table
-            confirmed = guess is not None and repeated
-            sizes = guess if confirmed else checks.check_exchange_table(collective, table, unit, send_name, recv_name)
+            table = self._gathered(collective, self._gather(collective, row))
+            sizes = checks.check_exchange_table(collective, table, unit, send_name, recv_name)
         except (ValueError, CollectiveError):
             self._table = self._guess = self._guessed_row = None
-            if early is not None:
-                _finish(early)
             raise
-        self._table = gathered
-        self._guess = sizes if repeated else None
-        self._guessed_row = row
-        if early is not None:
-            counters.count("dist_all_to_all_guessed" if confirmed else "dist_all_to_all_guess_missed")
-            if confirmed:
-                return early
-            early.wait()
+        gathered = table.tobytes()
+        self._guess = sizes if gathered == self._table else None
+        self._table, self._guessed_row = gathered, row
         return stage(sizes)()
+
+    def _exchange_on_guess(self, collective: str, row: tuple[int, ...], stage: Stage) -> dist.Work | None:
+        """The exchange on the guessed sizes, complete; None if any rank's call differs from the
+        guess (every rank then knows it; the outputs are left to the agreed exchange)."""
+        guess = self._guess
+        differs = row != self._guessed_row
+        try:
+            self._guessed_exchanges += 1
+            told = self._notices.send(self._guessed_exchanges) if differs else None
+            work = (self._stand_in(guess) if differs else stage(guess))()
+            work.wait()
+            if told is not None:
+                told.wait()
+            noticed = self._notices.received(self._guessed_exchanges)
+        except RuntimeError as error:
+            self._table = self._guess = self._guessed_row = None
+            if isinstance(error, CollectiveError):
+                raise
+            raise self._failed(collective, error) from error
+        if differs or noticed:
+            counters.count("dist_all_to_all_guess_missed")
+            self._guess = None
+            return None
+        counters.count("dist_all_to_all_guessed")
+        return work
 
     def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[PairwiseWork, PairwiseWork]:
         """Start gathering every rank's `row` into the table: each rank sends every other rank
@@ -154,9 +174,58 @@ class SizeExchange:
         return functools.partial(self._pairwise.exchange, scratch.split(recv), source.split(send))
 
 
-def _finish(work: dist.Work) -> None:
-    """Wait for a guessed exchange before raising another error: its own failure adds nothing."""
-    try:
-        work.wait()
-    except RuntimeError:
-        pass
+class _Notices:
+    """Word from a rank to every peer that its call differs from the guess, sent before its data.
+
+    Every rank keeps receives posted for each peer's next notices, into that peer's flags; a
+    notice that never comes costs nothing. A guessed exchange's notices land in the flags of its
+    parity (`exchange % 2`), read once every peer's data of the exchange arrived, which the
+    notices precede (see the module docstring). The next guessed exchange's notice may arrive
+    while a rank reads (its sender finished this exchange first), but lands in the other
+    parity's flags; the one after it cannot come before this rank has sent its data of the next
+    exchange. So no flag is written while it is read, and each holds its own exchange's word.
+    Notices are numbered per pair of ranks and parity (the tag sequence `NOTICES`): a sender
+    counts those it sent, a receiver those it consumed, and every notice is consumed in the
+    exchange it was sent in, so both count alike."""
+
+    def __init__(self, pairwise: Pairwise, rank: int, size: int) -> None:
+        self._pairwise = pairwise
+        self._notice = torch.ones(1, dtype=torch.int64)
+        self._flags = torch.zeros((2, size), dtype=torch.int64)
+        self._flags_np = self._flags.numpy()
+        self._sent = np.zeros((2, size), dtype=np.int64)
+        self._consumed = np.zeros((2, size), dtype=np.int64)
+        self._posted = {(parity, peer): self._post(parity, peer) for parity in (0, 1) for peer in pairwise.peers}
+
+    def send(self, exchange: int) -> PairwiseWork:
+        """Tell every peer that this rank's call in guessed exchange number `exchange` differs
+        from the guess."""
+        parity = exchange % 2
+        messages = []
+        for peer in self._pairwise.peers:
+            tag = _notice_tag(parity, self._sent[parity, peer])
+            messages.append(self._pairwise.send_to(self._notice, peer, tag))
+            self._sent[parity, peer] += 1
+        return PairwiseWork(messages)
+
+    def received(self, exchange: int) -> bool:
+        """Whether a peer sent a notice in guessed exchange number `exchange` (asked once every
+        peer's data of it arrived); the notices received are consumed and the receives of the
+        next ones posted."""
+        parity = exchange % 2
+        senders = np.flatnonzero(self._flags_np[parity]).tolist()
+        for peer in senders:
+            self._posted[parity, peer].wait()
+            self._flags_np[parity, peer] = 0
+            self._consumed[parity, peer] += 1
+            self._posted[parity, peer] = self._post(parity, peer)
+        return bool(senders)
+
+    def _post(self, parity: int, peer: int) -> dist.Work:
+        """Post the receive of `peer`'s next notice of `parity` into its flag."""
+        tag = _notice_tag(parity, self._consumed[parity, peer])
+        return self._pairwise.receive_from(self._flags[parity, peer : peer + 1], peer, tag)
+
+
+def _notice_tag(parity: int, number: int) -> int:
+    return tag_of(NOTICES, 2 * int(number) + parity)

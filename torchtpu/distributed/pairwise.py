@@ -1,20 +1,23 @@
 """All-to-all exchanges as point-to-point messages, on a gloo group of their own.
 
-An all-to-all here is two exchanges: every rank's sizes (`exchange.SizeExchange`), and the data,
-which moves on guessed sizes while the sizes travel. Run as two gloo collectives, each waits for
-one of gloo's worker threads, and the two compete for them and for the host's cores: on 2 cores
-at world size 2, a 1 MiB all-to-all took ~1.3 ms with the size gather running beside it against
-~0.6 ms alone. Point-to-point messages need no worker: the calling thread posts them and gloo's
-transport thread moves them, so the sizes and the data of one all-to-all travel side by side for
-about the cost of the data alone (the same gloo transport that gloo's own all-to-all uses).
+An all-to-all here is up to two exchanges: every rank's sizes (`exchange.SizeExchange`, skipped
+while a guess holds), and the data. Run as gloo collectives, each waits for one of gloo's worker
+threads, and the two compete for them and for the host's cores: on 2 cores at world size 2, a
+1 MiB all-to-all took ~1.3 ms with the size gather running beside it against ~0.6 ms alone.
+Point-to-point messages need no worker: the calling thread posts them and gloo's transport
+thread moves them (the same gloo transport that gloo's own all-to-all uses).
 
 Messages are matched by tag. Every rank makes its exchanges in the same order (as it makes its
 collectives), so numbering them gives every exchange the same tag on every rank, and messages of
-two exchanges in flight never meet. Tags come in two sequences, each numbered on its own: one for
+two exchanges in flight never meet. Tags come in three sequences, each numbered on its own: one for
 the exchanges of data, one for the rows of sizes, whose receives are posted one agreement ahead
-(`exchange`) -- however data and rows interleave, each message meets its own receive. The group
-is the exchanges' own, so no user point-to-point message (whose tag may be any number) meets
-them either.
+(`exchange`), and one for the notices a rank sends when its call differs from a guess, numbered
+per pair of ranks and parity (`exchange`) -- however they interleave, each message meets its own receive.
+The group is the exchanges' own, so no user point-to-point message (whose tag may be any number)
+meets them either.
+
+An exchange sends every peer one message, an empty one for an empty region, so that whatever a
+rank sent a peer before its exchange has arrived once the peer has its message (see `exchange`).
 
 Gloo marks a point-to-point message complete only once it was waited on, so an exchange that is
 never waited on stays in flight; `HostTransport` keeps its buffers until it is.
@@ -31,9 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_TAGS = 1 << 30  # tags per sequence: gloo's tags are C ints
+_TAGS = 1 << 29  # tags per sequence: gloo's tags are C ints, and there are three sequences
 
-DATA, ROWS = 0, 1  # the tag sequences
+DATA, ROWS, NOTICES = 0, 1, 2  # the tag sequences
 
 
 class PairwiseWork(dist.Work):
@@ -70,29 +73,37 @@ class Pairwise:
         """The next tag of `sequence` (`DATA` or `ROWS`)."""
         number = self._next_tags[sequence]
         self._next_tags[sequence] = (number + 1) % _TAGS
-        return sequence * _TAGS + number
+        return tag_of(sequence, number)
 
     def send(self, inputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
-        """Send `inputs[j]` (not empty) to every other rank j."""
-        return PairwiseWork([self._gloo.send([inputs[j]], j, tag) for j in self._peers])
+        """Send `inputs[j]` to every other rank j."""
+        return PairwiseWork([self.send_to(inputs[j], j, tag) for j in self.peers])
 
     def receive(self, outputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
-        """Receive `outputs[i]` (not empty) from every other rank i."""
-        return PairwiseWork([self._gloo.recv([outputs[i]], i, tag) for i in self._peers])
+        """Receive `outputs[i]` from every other rank i."""
+        return PairwiseWork([self.receive_from(outputs[i], i, tag) for i in self.peers])
+
+    def send_to(self, input: torch.Tensor, destination: int, tag: int) -> dist.Work:
+        """Send `input` to rank `destination`."""
+        return self._gloo.send([input], destination, tag)
+
+    def receive_from(self, output: torch.Tensor, source: int, tag: int) -> dist.Work:
+        """Receive `output` from rank `source`."""
+        return self._gloo.recv([output], source, tag)
 
     @functools.cached_property
-    def _peers(self) -> list[int]:
+    def peers(self) -> list[int]:
         """The other ranks, starting after this one (so that rank 0 is not everyone's first)."""
         return [(self._rank + step) % self._size for step in range(1, self._size)]
 
-    def exchange(self, outputs: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]) -> PairwiseWork:
+    def exchange(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> PairwiseWork:
         """Send `inputs[j]` to rank j and receive `outputs[i]` from rank i, for every other rank;
-        copy `inputs[rank]` into `outputs[rank]` (either may be None: nothing to copy).
+        copy `inputs[rank]` into `outputs[rank]`.
 
         Host tensors, contiguous. Every rank must call this in the same order as every other,
-        each receiving from each peer exactly as many bytes as that peer sends it (an empty
-        region sends or receives nothing) -- the callers make sure of it: gloo aborts or waits
-        forever otherwise. Empty regions send no message."""
+        each receiving from each peer exactly as many bytes as that peer sends it -- the callers
+        make sure of it: gloo aborts or waits forever otherwise. Every peer gets a message, empty
+        for an empty region (see the module docstring)."""
         tag = self.tag(DATA)
         messages = []
         # Every rank starts with a different peer (as gloo's own all-to-all does), so rank 0
@@ -100,15 +111,15 @@ class Pairwise:
         # 1 MiB exchange took ~1.3-2 ms with the receives posted first against ~0.6 ms.
         for step in range(1, self._size):
             source, destination = (self._rank - step) % self._size, (self._rank + step) % self._size
-            received, sent = outputs[source], inputs[destination]
-            if sent is not None and sent.numel():
-                messages.append(self._gloo.send([sent], destination, tag))
-            if received is not None and received.numel():
-                messages.append(self._gloo.recv([received], source, tag))
-        own_out, own_in = outputs[self._rank], inputs[self._rank]
-        if own_out is not None and own_in is not None and own_out.numel():
-            copy_bytes(own_out, own_in)
+            messages.append(self.send_to(inputs[destination], destination, tag))
+            messages.append(self.receive_from(outputs[source], source, tag))
+        copy_bytes(outputs[self._rank], inputs[self._rank])
         return PairwiseWork(messages)
+
+
+def tag_of(sequence: int, number: int) -> int:
+    """The tag numbered `number` (modulo the sequence's length) in `sequence`."""
+    return sequence * _TAGS + number % _TAGS
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

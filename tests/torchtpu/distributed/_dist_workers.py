@@ -430,14 +430,23 @@ def _exchange_and_check(rank: int, rows: np.ndarray, dtype: torch.dtype, device:
 
 
 def guessed_all_to_all(rank: int, world: int) -> None:
-    """Repeated sizes: the data moves on the guessed sizes while they are checked (see
-    `torchtpu.distributed.exchange`). Every result equals the NumPy model when the guess holds,
-    when only some ranks' calls differ from it (the others' exchange runs on the guess first),
-    when every rank's call differs, on tpu and on cpu tensors; and the guesses were taken."""
+    """Repeated sizes: the data moves on the guessed sizes and nothing else is exchanged unless a
+    rank's call differs (see `torchtpu.distributed.exchange`). Every result equals the NumPy
+    model when the guess holds, when only some ranks' calls differ from it (the others' exchange
+    runs on the guess first), when every rank's call differs, when only rank 0's call differs
+    (every other rank learns it from rank 0's notice), also where rank 0 sends a peer nothing
+    (the notice then precedes an empty message), on tpu and on cpu tensors; and every rank
+    counted the same guesses taken and missed."""
     tpu = torch.device("tpu", rank)
     same = np.full((world, world), 2)
     one_pair = same.copy()
     one_pair[0, world - 1] = 5  # only the calls of ranks 0 and world - 1 change
+    own_only = same.copy()
+    own_only[0, 0] = 3  # only rank 0's call changes (what it sends itself)
+    silent = same.copy()
+    silent[0, world - 1] = 0  # rank 0 sends rank world - 1 nothing
+    silent_own = silent.copy()
+    silent_own[0, 0] = 3
     calls = [  # (rows, dtype, device, async): guess confirmed (+) or missed (-)
         (same, torch.int64, tpu, False), (same, torch.int64, tpu, True),
         (same, torch.int64, tpu, False),  # +
@@ -446,13 +455,19 @@ def guessed_all_to_all(rank: int, world: int) -> None:
         (one_pair, torch.int64, tpu, False), (one_pair, torch.int64, tpu, True),  # +
         (same, torch.float32, tpu, False),  # - (every rank's call differs: the dtype)
         (same, torch.float32, tpu, False), (same, torch.float32, torch.device("cpu"), False),  # +
+        (own_only, torch.float32, tpu, False),  # - (rank 0's call only)
+        (own_only, torch.float32, tpu, False), (own_only, torch.float32, tpu, False),  # +
+        (silent, torch.float32, tpu, False),  # -
+        (silent, torch.float32, tpu, False), (silent, torch.float32, tpu, False),  # +
+        (silent_own, torch.float32, tpu, False),  # - (rank 0's call only; rank world - 1 gets nothing from it)
+        (silent_own, torch.float32, tpu, False), (silent_own, torch.float32, tpu, True),  # +
     ]
     before = torchtpu.metrics()
     for i, (rows, dtype, device, async_op) in enumerate(calls):
         _exchange_and_check(rank, rows, dtype, device, async_op, f"guessed call {i}")
     after = torchtpu.metrics()
     counted = [after.get(k, 0) - before.get(k, 0) for k in ("dist_all_to_all_guessed", "dist_all_to_all_guess_missed")]
-    assert counted == [4, 2], f"rank {rank}: guesses confirmed/missed {counted}, expected [4, 2]"
+    assert counted == [7, 5], f"rank {rank}: guesses confirmed/missed {counted}, expected [7, 5]"
     _outputs_stay_in_place(rank, world)
     _exchanges_in_flight_together(rank, world)
 

@@ -25,12 +25,12 @@ never waited on stays in flight; `HostTransport` keeps its buffers until it is.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
 from datetime import timedelta
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -123,7 +123,7 @@ def tag_of(sequence: int, number: int) -> int:
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy contiguous `src` into `dst` with one memcpy (NumPy's; PyTorch's parallel copy stalls
-    when the host's cores are busy, e.g. with the other ranks of a collective)."""
-    if dst.numel():
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    """Copy contiguous `src` into contiguous `dst` (as many bytes) with one memcpy, without the
+    GIL (PyTorch's parallel copy stalls when the host's cores are busy, e.g. with the other ranks
+    of a collective; NumPy's costs ~10 us a call more to set up)."""
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())

@@ -213,16 +213,13 @@ class _Notices:
         peer's data of it arrived); the notices received are consumed and the receives of the
         next ones posted."""
         parity = exchange % 2
-        flags = self._flags_np[parity]
-        if not flags.any():
-            return False
-        senders = np.flatnonzero(flags).tolist()
+        senders = [peer for peer, flag in enumerate(self._flags_np[parity].tolist()) if flag]
         for peer in senders:
             self._posted[parity, peer].wait()
             self._flags_np[parity, peer] = 0
             self._consumed[parity, peer] += 1
             self._posted[parity, peer] = self._post(parity, peer)
-        return True
+        return bool(senders)
 
     def _post(self, parity: int, peer: int) -> dist.Work:
         """Post the receive of `peer`'s next notice of `parity` into its flag."""

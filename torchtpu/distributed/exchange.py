@@ -11,24 +11,25 @@ at 1 MiB, even moving while the data did). Repeated exchanges of one shape (the 
 of every training step, a benchmark) need not pay it: once two consecutive all-to-alls of a group
 agreed on the same sizes, the next ones *guess* those sizes and gather nothing. Every rank
 exchanges the guessed sizes -- on scratch buffers if its own call differs from the guess, so that
-gloo always sees matching sizes -- and a rank whose call differs first sends every peer a
-*notice* (`_Notices`). Once every peer's data arrived, a rank has every notice sent to it, so
-every rank knows whether any call differed: if none did, the exchange on the guess is the answer;
-if one did, every rank gathers the sizes after all and either raises the disagreement (outputs
-then hold unspecified data, as after any failed collective) or runs the exchange again with the
-agreed sizes, which overwrites every output row. No result is ever taken from a guess that any
-rank's call differs from. Every rank decides alike: whether to guess depends only on agreements that every
-rank saw. `torchtpu.metrics()` counts guesses confirmed (`dist_all_to_all_guessed`) and missed
-(`dist_all_to_all_guess_missed`). On a guess the call returns once its data arrived (its work is
-complete), where an agreed exchange returns once it started.
+gloo always sees matching sizes -- and a rank whose call differs first sends every peer a *notice*
+(`_Notices`). Once every peer's data arrived, a rank has every notice sent to it, so every rank
+knows whether any call differed: if none did, the exchange on the guess is the answer; if one did,
+every rank gathers the sizes after all and either raises the disagreement (outputs then hold
+unspecified data, as after any failed collective) or runs the exchange again with the agreed
+sizes, which overwrites every output row. No result is ever taken from a guess that any rank's
+call differs from. Every rank decides alike: whether to guess depends only on agreements that
+every rank saw. `torchtpu.metrics()` counts guesses confirmed (`dist_all_to_all_guessed`) and
+missed (`dist_all_to_all_guess_missed`). On a guess the call returns once its data arrived (its
+work is complete), where an agreed exchange returns once it started.
 
 Why a notice sent before the data arrives before it: gloo's tcp pair sends every message in the
-order it was posted, and a message goes out only once the peer posted its receive and said so
-(its ready-notices travel in order too). Each rank posts its receive of a peer's next notice
-(of each parity, `_Notices`) when it consumed the last one (at the end of an exchange), before
-the receives of any data that notice can precede; so by the time the sender may send that data it has seen the notice's
-receive posted, and its notice, sent first, is in the stream ahead of the data. An exchange sends
-every peer a message, empty regions included (`pairwise`), so there is always data to wait for.
+order it was posted, and a message goes out only once the peer posted its receive and said so (its
+ready-notices travel in order too). Each rank posts its receive of a peer's next notice (of each
+parity, `_Notices`) when it consumed the last one (at the end of an exchange), before the receives
+of any data that notice can precede; so by the time the sender may send that data it has seen the
+notice's receive posted, and its notice, sent first, is in the stream ahead of the data. An
+exchange sends every peer a message, empty regions included (`pairwise`), so there is always data
+to wait for.
 
 Each rank posts the receives of the next gather's rows as soon as it has read the last table, so
 a peer's row is written straight into the table when the peer sends it: gloo's rendezvous (the

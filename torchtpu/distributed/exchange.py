@@ -43,6 +43,11 @@ sender's row, then its region: copies into framed send buffers and out of the re
 measured twice at world size 2, as gloo collectives (bus bandwidth against gloo: 0.35-0.74x at
 1 MiB, 0.44-0.55x at 4 and 16 MiB) and as point-to-point messages (wall / CPU us per call: 2011 /
 1243 framed against 1991 / 1365 at 1 MiB); nor on a gloo group of their own.
+
+Nor did posting a guessed exchange's receives one exchange ahead (into a pooled host buffer that
+then became the output's buffer), though plain point-to-point messages gain from it (1 MiB at
+world size 2: ~350-480 us a call against ~600-800): per call at 1 MiB it took 1026-1045 us
+against 850-950 without (gloo: 611-623), the early receive's own post costing ~275 us.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class SizeExchange:
             self._table = self._guess = self._guessed_row = None
             if isinstance(error, CollectiveError):
                 raise
-            raise self._failed(collective, error) from error
+            raise self._failed(collective, error, "the exchange on guessed sizes") from error
         if differs or noticed:
             counters.count("dist_all_to_all_guess_missed")
             self._guess = None
@@ -168,8 +168,8 @@ class SizeExchange:
         tag = self._pairwise.tag(ROWS)
         return tag, self._pairwise.receive(self._row_of, tag)
 
-    def _failed(self, collective: str, error: RuntimeError) -> CollectiveError:
-        return CollectiveError(f"tpu_dist {collective}: exchanging sizes failed on rank {self._rank}: {error}")
+    def _failed(self, collective: str, error: RuntimeError, what: str = "exchanging sizes") -> CollectiveError:
+        return CollectiveError(f"tpu_dist {collective}: {what} failed on rank {self._rank}: {error}")
 
     def _stand_in(self, guess: ExchangeSizes) -> Callable[[], dist.Work]:
         """This rank's part of the guessed exchange when its own call differs from the guess:

@@ -9,12 +9,12 @@ thread moves them (the same gloo transport that gloo's own all-to-all uses).
 
 Messages are matched by tag. Every rank makes its exchanges in the same order (as it makes its
 collectives), so numbering them gives every exchange the same tag on every rank, and messages of
-two exchanges in flight never meet. Tags come in three sequences, each numbered on its own: one for
-the exchanges of data, one for the rows of sizes, whose receives are posted one agreement ahead
-(`exchange`), and one for the notices a rank sends when its call differs from a guess, numbered
-per pair of ranks and parity (`exchange`) -- however they interleave, each message meets its own receive.
-The group is the exchanges' own, so no user point-to-point message (whose tag may be any number)
-meets them either.
+two exchanges in flight never meet. Tags come in three sequences, each numbered on its own: one
+for the exchanges of data, one for the rows of sizes, whose receives are posted one agreement
+ahead (`exchange`), and one for the notices a rank sends when its call differs from a guess,
+numbered per pair of ranks and parity (`exchange`) -- however they interleave, each message meets
+its own receive. The group is the exchanges' own, so no user point-to-point message (whose tag may
+be any number) meets them either.
 
 An exchange sends every peer one message, an empty one for an empty region, so that whatever a
 rank sent a peer before its exchange has arrived once the peer has its message (see `exchange`).
@@ -126,4 +126,6 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy contiguous `src` into contiguous `dst` (as many bytes) with one memcpy, without the
     GIL (PyTorch's parallel copy stalls when the host's cores are busy, e.g. with the other ranks
     of a collective; NumPy's costs ~10 us a call more to set up)."""
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    nbytes = dst.numel() * dst.element_size()
+    if nbytes:  # an empty tensor's address may be null
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)

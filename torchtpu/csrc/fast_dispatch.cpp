@@ -15,9 +15,10 @@
 // Scalar arguments, Scalar lists, Python numbers and 0-dim CPU tensors passed as tensors, as the
 // Python encoder takes them -- are keyed by their types, not their values (a learning rate that
 // changes every step keeps its key), and a call passes its own; new values of a class that
-// PyTorch's checks never saw for the key (`fits`) take the Python kernel, which checks them. Each mode learns its own
-// keys. Anything else -- another eager mode, an unknown or non-plain key, a sharded or untyped
-// storage -- redispatches to the Python kernel, which is the one definition of what an op does.
+// PyTorch's checks never saw for the key (`fits`) take the Python kernel, which checks them. Each
+// mode learns its own keys. Anything else -- another eager mode, an unknown or non-plain key, a
+// sharded or untyped storage -- redispatches to the Python kernel, which is the one definition of
+// what an op does.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -248,16 +249,7 @@ bool tensor_layout(const at::Tensor& t, Key& key, std::vector<c10::StorageImpl*>
 // A list of Scalars' part of the key: each a runtime number (keyed by its type) where `runtime`,
 // else keyed by its value; None elements by value. False for a list of anything else.
 bool scalar_list(const c10::IValue& v, bool runtime, Key& key, std::vector<Number>& numbers) {
-  std::vector<c10::IValue> items;
-  if (v.isDoubleList()) {
-    for (double d : v.toDoubleList()) items.emplace_back(d);
-  } else if (v.isList()) {
-    for (const c10::IValue& item : v.toListRef()) items.push_back(item);
-  } else {
-    return false;
-  }
-  key.insert(key.end(), {11, static_cast<int64_t>(items.size())});
-  for (const c10::IValue& item : items) {
+  auto item_of = [&](const c10::IValue& item) {
     Number x;
     if (item.isNone()) {
       key.push_back(-2);
@@ -269,6 +261,21 @@ bool scalar_list(const c10::IValue& v, bool runtime, Key& key, std::vector<Numbe
     } else {
       key.insert(key.end(), {x.tag, x.bits});
     }
+    return true;
+  };
+  if (v.isDoubleList()) {
+    auto list = v.toDoubleList();
+    key.insert(key.end(), {11, static_cast<int64_t>(list.size())});
+    for (double d : list) {
+      if (!item_of(c10::IValue(d))) return false;
+    }
+    return true;
+  }
+  if (!v.isList()) return false;
+  c10::ArrayRef<c10::IValue> list = v.toListRef();
+  key.insert(key.end(), {11, static_cast<int64_t>(list.size())});
+  for (const c10::IValue& item : list) {
+    if (!item_of(item)) return false;
   }
   return true;
 }

@@ -81,18 +81,21 @@ def to_array(t: torch.Tensor):
     Pending work is materialised first. A tensor that covers its whole storage gets the storage's
     own buffer (no copy); any other view is gathered by a cached program.
     """
-    import jax
-
     buffer = storage.buffer_of(t)
     value = _materialized(buffer)
     checks.raise_pending()
+    conj, neg = t.is_conj(), t.is_neg()
+    # The common case, checked first and cheaply (host reads of collectives pay it per call):
+    # `is_contiguous` ignores the strides of size-1 dims, as `strided.is_whole` does.
+    whole = t.dtype == buffer.dtype and t.numel() == buffer.numel and t.storage_offset() == 0 and t.is_contiguous()
+    if whole and value is not None and not (conj or neg):
+        return value
+    import jax
+
     np_dtype = dtypes.to_jax(t.dtype)
     if value is None:
         return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
     geometry = strided.Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    conj, neg = t.is_conj(), t.is_neg()
-    if t.dtype == buffer.dtype and strided.is_whole(geometry, buffer.numel) and not (conj or neg):
-        return value
     key = (geometry, t.dtype, buffer.dtype, buffer.numel, conj, neg)
     read = _read_programs.get(key)
     if read is None:

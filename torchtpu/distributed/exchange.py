@@ -171,7 +171,7 @@ class SizeExchange:
     def _failed(self, collective: str, error: RuntimeError, what: str = "exchanging sizes") -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: {what} failed on rank {self._rank}: {error}")
 
-    def _stand_in(self, guess: ExchangeSizes) -> Callable[[], dist.Work]:
+    def _stand_in(self, guess: ExchangeSizes) -> Callable[[], PairwiseWork]:
         """This rank's part of the guessed exchange when its own call differs from the guess:
         the guessed bytes, sent from and received into scratch buffers."""
         send, recv = guess.splits(self._rank)

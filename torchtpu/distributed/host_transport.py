@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from torchtpu import counters, runtime, storage
 from torchtpu.distributed.checks import ExchangeSizes
-from torchtpu.distributed.pairwise import Pairwise, copy_bytes
+from torchtpu.distributed.pairwise import Pairwise, PairwiseWork, copy_bytes
 from torchtpu.distributed.work import TpuWork
 from torchtpu.exec import memory
 
@@ -305,10 +305,11 @@ class HostTransport:
         self._buffers = ReceiveBuffers()
         # Gloo holds only borrowed views: the staging of each launched collective stays here
         # until gloo reports it completed, even if its work is never waited on or its wait fails.
-        self._in_flight: list[tuple[dist.Work, _Staging]] = []
+        self._in_flight: list[tuple[dist.Work | PairwiseWork, _Staging]] = []
 
     def _launch(
-        self, collective: str, staging: _Staging, work: dist.Work, result: Tensors, any_source: bool = False
+        self, collective: str, staging: _Staging, work: dist.Work | PairwiseWork, result: Tensors,
+        any_source: bool = False,
     ) -> TpuWork:
         def complete(timeout: timedelta | None) -> None:
             if timeout is None:

@@ -39,11 +39,14 @@ _TAGS = 1 << 29  # tags per sequence: gloo's tags are C ints, and there are thre
 DATA, ROWS, NOTICES = 0, 1, 2  # the tag sequences
 
 
-class PairwiseWork(dist.Work):
-    """One exchange's messages in flight: waiting waits for every one of them."""
+class PairwiseWork:
+    """One exchange's messages in flight: waiting waits for every one of them.
+
+    Not a `dist.Work`: only tpu_dist waits on it (making a `dist.Work` costs a few us a call)."""
+
+    __slots__ = ("_messages",)
 
     def __init__(self, messages: list[dist.Work]) -> None:
-        super().__init__()
         self._messages = messages
 
     def wait(self, timeout: timedelta | None = None) -> bool:

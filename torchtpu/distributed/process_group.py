@@ -44,6 +44,8 @@ TRANSPORT_ENV = "TORCHTPU_DIST_TRANSPORT"
 
 Tensors = Sequence[torch.Tensor]
 
+_SPLITS_REMEMBERED = 256  # checked split sizes of all_to_all_single calls (forgotten all at once)
+
 
 class ProcessGroupTPU(dist.ProcessGroup):
     """Collectives on `tpu` tensors for torch.distributed (backend name `tpu_dist`)."""
@@ -58,6 +60,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         # Data moves on guessed sizes only where every rank's bytes go through gloo; the group
         # decides once, so all ranks decide alike (see `exchange`).
         self._guesses = isinstance(self._transport, HostTransport)
+        self._splits_checked: dict[tuple, tuple[list[int], list[int], tuple[int, ...]]] = {}
         self._device: torch.device | None = None
         self._served: frozenset[str] | None = None
         self._closed = False
@@ -178,12 +181,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             input = input.reshape(0, *output.shape[1:])
         elif output.shape[0] == 0 and input.dim() > 0:
             output = output.reshape(0, *input.shape[1:])
-        checks.row_shapes(c, output, input)
         if backend is self._gloo:
             checks.contiguous(c, [output, input])
-        send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self._world_size)
-        recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self._world_size)
-        row = checks.exchange_values(send, recv, checks.row_numel(input), input.dtype)
+        send, recv, row = self._checked_splits(output, input, output_split_sizes, input_split_sizes)
 
         def stage(sizes: checks.ExchangeSizes) -> Callable[[], dist.Work]:
             if backend is self._gloo:
@@ -196,6 +196,24 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return stage(self._sizes.agree(c, row, *names))()
 
     alltoall_base = all_to_all_single
+
+    def _checked_splits(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                        input_split_sizes: Sequence[int]) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """An all_to_all_single's split sizes, checked against its tensors' shapes: the input's and
+        the output's rows per rank, and this rank's `checks.exchange_values`. Remembered per
+        shapes, dtype and splits, as repeated calls (every training step's) pass the same ones."""
+        key = (output.shape, input.shape, input.dtype, tuple(output_split_sizes), tuple(input_split_sizes))
+        checked = self._splits_checked.get(key)
+        if checked is None:
+            c = "all_to_all_single"
+            checks.row_shapes(c, output, input)
+            send = checks.split_sizes(c, "input_split_sizes", input, "input", input_split_sizes, self._world_size)
+            recv = checks.split_sizes(c, "output_split_sizes", output, "output", output_split_sizes, self._world_size)
+            checked = send, recv, checks.exchange_values(send, recv, checks.row_numel(input), input.dtype)
+            if len(self._splits_checked) >= _SPLITS_REMEMBERED:
+                self._splits_checked.clear()
+            self._splits_checked[key] = checked
+        return checked
 
     def alltoall(self, output_tensors: Tensors, input_tensors: Tensors,
                  opts: c10d.AllToAllOptions | None = None) -> dist.Work:

@@ -22,9 +22,10 @@ every rank saw. `torchtpu.metrics()` counts guesses confirmed (`dist_all_to_all_
 missed (`dist_all_to_all_guess_missed`). On a guess the call returns once its data arrived (its
 work is complete), where an agreed exchange returns once it started.
 
-Why a notice sent before the data arrives before it: gloo's tcp pair sends every message in the
-order it was posted, and a message goes out only once the peer posted its receive and said so (its
-ready-notices travel in order too). Each rank posts its receive of a peer's next notice (of each
+Why a notice sent before the data arrives before it: both travel on the gloo group of their
+direction (`pairwise`), whose tcp pair sends every message in the order it was posted, and a
+message goes out only once the peer posted its receive and said so (its ready-notices travel in
+order too, on the same connection). Each rank posts its receive of a peer's next notice (of each
 parity, `_Notices`) when it consumed the last one (at the end of an exchange), before the receives
 of any data that notice can precede; so by the time the sender may send that data it has seen the
 notice's receive posted, and its notice, sent first, is in the stream ahead of the data. An

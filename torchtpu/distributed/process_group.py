@@ -14,7 +14,7 @@ An all-to-all first agrees with every rank on the sizes each sends each (`exchan
 mismatched splits raise the same error everywhere instead of hanging or misdelivering; where all
 bytes go through gloo, repeated sizes are guessed, and exchanged only when a rank's call differs
 from the guess. The sizes, and the bytes of all-to-alls that go through gloo (of cpu tensors
-too), travel as point-to-point messages on a gloo group of their own (`pairwise`).
+too), travel as point-to-point messages on gloo groups of their own (`pairwise`).
 
 Both paths share one gloo backend for everything else, built on the group's own store, so the
 bytes travel through PyTorch's transport, not a home-made one. One process drives one tpu device:

@@ -125,13 +125,15 @@ class Pairwise:
         messages = []
         to, from_ = self._to, self._from
         # Every rank starts with a different peer (as gloo's own all-to-all does), so rank 0
-        # is not everyone's first; and posts its send before its receive: at world size 2, a
-        # 1 MiB exchange took ~1.3-2 ms with the receives posted first against ~0.6 ms (on one
-        # group for both directions).
+        # is not everyone's first; and posts its receive before its send, so that the peer
+        # learns at once that it may send. With a group per direction, receives first measured
+        # 0.77-0.92x gloo against 0.73-0.80x at 1 MiB, 1.12-1.22x against 1.01-1.08x at 4 MiB
+        # (on one group for both directions, sends first had been faster: ~0.6 ms against
+        # ~1.3-2 ms at 1 MiB).
         for step in range(1, self._size):
             source, destination = (self._rank - step) % self._size, (self._rank + step) % self._size
-            messages.append(to[destination].send([inputs[destination]], destination, tag))
             messages.append(from_[source].recv([outputs[source]], source, tag))
+            messages.append(to[destination].send([inputs[destination]], destination, tag))
         copy_bytes(outputs[self._rank], inputs[self._rank])
         return PairwiseWork(messages)
 

@@ -73,7 +73,7 @@ Stage = Callable[[ExchangeSizes], Callable[[], dist.Work]]
 class SizeExchange:
     """The size agreements of one process group's all-to-alls, and the guess they make."""
 
-    def __init__(self, pairwise: Pairwise, rank: int, size: int) -> None:
+    def __init__(self, pairwise: Pairwise, rank: int, size: int, guesses: bool) -> None:
         self._pairwise = pairwise
         self._rank = rank
         self._size = size
@@ -85,7 +85,9 @@ class SizeExchange:
         self._row_of = list(self._rows)
         self._own_row = [self._row_of[rank]] * size
         self._incoming: tuple[int, PairwiseWork] | None = None
-        self._notices = _Notices(pairwise, rank, size)
+        # Only a group that guesses has notices to receive (`guesses`: every rank's bytes go
+        # through gloo, so a stand-in exchange can match the guess).
+        self._notices = _Notices(pairwise, rank, size) if guesses else None
         self._guessed_exchanges = 0  # numbered alike on every rank: all make the same guesses
         # The table of the last agreement of all_to_all_single (as bytes), and its sizes when the
         # agreement before it was the same: the guess for the next call, and this rank's row in it.
@@ -101,7 +103,8 @@ class SizeExchange:
     def all_to_all(self, collective: str, row: tuple[int, ...], stage: Stage, unit: str, send_name: str,
                    recv_name: str) -> dist.Work:
         """This rank's part of an exchange, staged by `stage(sizes)`: on the guessed sizes if
-        every rank's call matches them, else on agreed sizes (see the module docstring)."""
+        every rank's call matches them, else on agreed sizes (see the module docstring). A group
+        made without `guesses` always agrees first."""
         if self._guess is not None:
             guessed = self._exchange_on_guess(collective, row, stage)
             if guessed is not None:
@@ -112,24 +115,26 @@ class SizeExchange:
         except (ValueError, CollectiveError):
             self._table = self._guess = self._guessed_row = None
             raise
-        gathered = table.tobytes()
-        self._guess = sizes if gathered == self._table else None
-        self._table, self._guessed_row = gathered, row
+        if self._notices is not None:
+            gathered = table.tobytes()
+            self._guess = sizes if gathered == self._table else None
+            self._table, self._guessed_row = gathered, row
         return stage(sizes)()
 
     def _exchange_on_guess(self, collective: str, row: tuple[int, ...], stage: Stage) -> dist.Work | None:
         """The exchange on the guessed sizes, complete; None if any rank's call differs from the
         guess (every rank then knows it; the outputs are left to the agreed exchange)."""
-        guess = self._guess
+        guess, notices = self._guess, self._notices
+        assert notices is not None, "only a group that guesses makes a guess"
         differs = row != self._guessed_row
         try:
             self._guessed_exchanges += 1
-            told = self._notices.send(self._guessed_exchanges) if differs else None
+            told = notices.send(self._guessed_exchanges) if differs else None
             work = (self._stand_in(guess) if differs else stage(guess))()
             work.wait()
             if told is not None:
                 told.wait()
-            noticed = self._notices.received(self._guessed_exchanges)
+            noticed = notices.received(self._guessed_exchanges)
         except RuntimeError as error:
             self._table = self._guess = self._guessed_row = None
             if isinstance(error, CollectiveError):

@@ -56,10 +56,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._pairwise = Pairwise(store, rank, size, timeout)
         self._transport = _transport(self._gloo, self._pairwise, store, rank, size)
-        self._sizes = SizeExchange(self._pairwise, rank, size)
         # Data moves on guessed sizes only where every rank's bytes go through gloo; the group
         # decides once, so all ranks decide alike (see `exchange`).
-        self._guesses = isinstance(self._transport, HostTransport)
+        self._sizes = SizeExchange(self._pairwise, rank, size, guesses=isinstance(self._transport, HostTransport))
         self._splits_checked: dict[tuple, tuple[list[int], list[int], tuple[int, ...]]] = {}
         self._device: torch.device | None = None
         self._served: frozenset[str] | None = None
@@ -190,10 +189,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 return functools.partial(self._exchange_on_host, c, output.split(recv), input.split(send), [output])
             return backend.stage_all_to_all_single(output, input, sizes)
 
-        names = ("rows", "input_split_sizes", "output_split_sizes")
-        if self._guesses:
-            return self._sizes.all_to_all(c, row, stage, *names)
-        return stage(self._sizes.agree(c, row, *names))()
+        return self._sizes.all_to_all(c, row, stage, "rows", "input_split_sizes", "output_split_sizes")
 
     alltoall_base = all_to_all_single
 

@@ -301,10 +301,15 @@ def xla_transport_vs_gloo(rank: int, world: int, patterns: int) -> None:
     _init()
     torch.tpu.set_device(rank)
     assert torchtpu.runtime.runtime().process_count == world
+    before = torchtpu.metrics()
     # XLA divides by the world size as a multiplication by its reciprocal: AVG within one ulp.
     collectives_vs_gloo(rank, world, ("strict",), small_integers=True,
                         last_bit=frozenset({"all_reduce_avg", "reduce_scatter_avg"}))
     all_to_all_fuzz(rank, world, patterns)
+    # Its bytes do not all go through gloo, so the group agrees on every all-to-all's sizes.
+    after = torchtpu.metrics()
+    guesses = [after.get(k, 0) - before.get(k, 0) for k in ("dist_all_to_all_guessed", "dist_all_to_all_guess_missed")]
+    assert guesses == [0, 0], f"rank {rank}: an XLA-transport group guessed all-to-all sizes {guesses}"
     dist.destroy_process_group()
 
 

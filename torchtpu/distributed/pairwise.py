@@ -21,9 +21,13 @@ gloo group, messages the other way on another. Gloo's tcp transport gives each p
 connection per group, moved by that group's transport thread under a lock of the pair; on one
 connection a rank's outgoing bytes wait for its incoming ones and the other way round. Two groups
 move both at once: at world size 2 on 2 cores, point-to-point exchanges of cpu tensors took ~8-12%
-less time at 16 and 64 MiB, ~3-5% at 4 MiB, and about the same at 1 MiB. Every message from one
-rank to another -- data, rows, notices -- takes its direction's group, so they arrive in the order
-they were sent (see `exchange`).
+less time at 16 and 64 MiB, ~3-5% at 4 MiB, and about the same at 1 MiB; tpu all-to-alls went
+from 0.67-0.85x gloo to 0.76-0.88x at 1 MiB and from 0.87-0.98x to 0.95-1.10x at 16 and 64 MiB
+(0.77-0.92x and ~1.1x with the receives posted first, below). At world size 3 they measured
+faster too at 4 and 16 MiB (0.96-1.10x against 0.86-1.00x), but at world size 4 on the same 2
+cores, two processes a core, a little slower (0.72-0.77x against 0.83-0.91x at 1 MiB): each group
+adds a transport thread per process. Every message from one rank to another -- data, rows,
+notices -- takes its direction's group, so they arrive in the order they were sent (see `exchange`).
 
 An exchange sends every peer one message, an empty one for an empty region, so that whatever a
 rank sent a peer before its exchange has arrived once the peer has its message (see `exchange`).

@@ -1,13 +1,16 @@
 """Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
 
-    python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters 10] [--trials 7]
+    python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters N] [--trials 7]
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
 Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
 tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors. After a warm-up
 of both, each trial times one block of `iters` calls of each side back to back, the side that
 goes first alternating between trials, so that the shared machine's load falls on both alike;
-every block starts and ends with the same gloo barrier. Reported: the median block of each side
+every block starts and ends with the same gloo barrier. A block has at least 10 calls and moves
+at least 32 MiB (`--iters` sets its calls instead): on a shared 2-core host single calls stall
+for a scheduler tick now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-all), and one
+such stall could decide a block of ten 1 MiB calls. Reported: the median block of each side
 as bus bandwidth, and the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
 (n-1)/n. The goal is tpu_dist >= 0.9x gloo: the backend itself should add next to nothing to
@@ -41,7 +44,13 @@ def _time_block(collective, tensors, group, barrier_group, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int], iters: int, trials: int) -> None:
+def _block_calls(mib: int, iters: int | None) -> int:
+    """Calls per timed block: `iters`, else at least 10 moving at least 32 MiB."""
+    return iters if iters is not None else max(10, -(-32 // mib))
+
+
+def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int], iters: int | None,
+          trials: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), TORCHTPU_LOCK_DIR=lock_dir, TORCHTPU_NUM_DEVICES=str(world),
@@ -71,15 +80,16 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
                 order = ("gloo", "tpu_dist") if trial % 2 == 0 else ("tpu_dist", "gloo")
                 for side in order:
                     tensors, group = sides[side]
-                    times[side].append(_time_block(collective, tensors, group, gloo, iters))
+                    times[side].append(_time_block(collective, tensors, group, gloo, _block_calls(mib, iters)))
             bus = BUS_FACTOR[name](world) * numel * 4 / 1e9
             ratio = statistics.median(g / t for g, t in zip(times["gloo"], times["tpu_dist"]))
             rows.append((name, mib, bus / statistics.median(times["gloo"]),
                          bus / statistics.median(times["tpu_dist"]), ratio))
     if rank == 0:
         load_after = os.getloadavg()
-        print(f"world size {world}; {trials} trials of {iters} calls per side; bus bandwidth in GB/s "
-              f"(median block); ratio = median over trials of tpu_dist / gloo")
+        calls = ", ".join(f"{_block_calls(mib, iters)} at {mib} MiB" for mib in sizes_mib)
+        print(f"world size {world}; {trials} trials per side of a block of calls ({calls}); bus bandwidth in "
+              f"GB/s (median block); ratio = median over trials of tpu_dist / gloo")
         print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
         print(f"{'collective':<18} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
         for name, mib, gloo_bw, tpu_bw, ratio in rows:
@@ -91,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed block (default: >= 10, >= 32 MiB)")
     parser.add_argument("--trials", type=int, default=7)
     args = parser.parse_args()
     with socket.socket() as s:

@@ -5,7 +5,7 @@ while a guess holds), and the data. Run as gloo collectives, each waits for one 
 threads, and the two compete for them and for the host's cores: on 2 cores at world size 2, a
 1 MiB all-to-all took ~1.3 ms with the size gather running beside it against ~0.6 ms alone.
 Point-to-point messages need no worker: the calling thread posts them and gloo's transport
-thread moves them (the same gloo transport that gloo's own all-to-all uses).
+threads move them (the same gloo transport that gloo's own all-to-all uses).
 
 Messages are matched by tag. Every rank makes its exchanges in the same order (as it makes its
 collectives), so numbering them gives every exchange the same tag on every rank, and messages of

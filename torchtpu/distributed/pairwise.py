@@ -86,9 +86,15 @@ class Pairwise:
         # The group of the messages from this rank to each rank, and from each rank to this one.
         self._to = [upward if rank < peer else downward for peer in range(size)]
         self._from = [upward if peer < rank else downward for peer in range(size)]
+        self._upward, self._downward = upward, downward
         self._rank = rank
         self._size = size
         self._next_tags = [0, 0]
+
+    @property
+    def groups(self) -> tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]:
+        """The gloo groups: of messages to higher ranks, and to lower ranks."""
+        return self._upward, self._downward
 
     def tag(self, sequence: int) -> int:
         """The next tag of `sequence` (`DATA` or `ROWS`)."""

@@ -94,12 +94,23 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._served
 
     def shutdown(self) -> None:
-        self._closed = True
-        self._gloo.shutdown()
+        """Refuse further calls and let go of the gloo groups."""
+        self._close(c10d.ProcessGroupGloo.shutdown)
 
     def abort(self) -> None:
+        """Refuse further calls and let go of the gloo groups."""
+        self._close(c10d.ProcessGroupGloo.abort)
+
+    def _close(self, end: Callable[[c10d.ProcessGroupGloo], None]) -> None:
+        """`end` each gloo group, then drop every reference to them: gloo's shutdown and abort
+        stop none of its threads or connections, which go when a group is freed (a caller may
+        hold this group after `destroy_process_group`, as `dist.group.WORLD` is often held)."""
+        if self._closed:
+            return
         self._closed = True
-        self._gloo.abort()
+        for group in (self._gloo, *self._pairwise.groups):
+            end(group)
+        del self._gloo, self._pairwise, self._transport, self._sizes
 
     # --- routing ------------------------------------------------------------------------------
 

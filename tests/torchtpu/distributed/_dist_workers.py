@@ -598,7 +598,10 @@ def errors(rank: int, world: int) -> None:
 
 def tpu_only_group(rank: int, world: int) -> None:
     """`init_process_group("tpu_dist")`: cpu tensors are refused, Python objects travel as tpu
-    tensors (object collectives pick the group's one device type), barriers work."""
+    tensors (object collectives pick the group's one device type), barriers work. Destroyed, the
+    group lets go of its gloo groups' threads though the caller still holds it."""
+    torch.ones(1, device="tpu").cpu()  # the runtime's threads start before the count
+    threads = _threads()
     _init("tpu_dist")
     assert dist.get_backend_config() == "tpu:tpu_dist"
     _raises(RuntimeError, "serves tpu tensors only", dist.all_reduce, torch.ones(2))
@@ -609,7 +612,14 @@ def tpu_only_group(rank: int, world: int) -> None:
     dist.broadcast_object_list(broadcast, src=world - 1)
     assert broadcast == [f"from {world - 1}"], broadcast
     dist.barrier()
+    group = dist.group.WORLD
     dist.destroy_process_group()
+    assert _threads() <= threads, f"rank {rank}: {_threads() - threads} threads outlive the group {group}"
+
+
+def _threads() -> int:
+    """The threads of this process (Python's and native ones: gloo's are native)."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def init_alone(rank: int, world: int) -> None:

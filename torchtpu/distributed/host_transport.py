@@ -12,9 +12,11 @@ copied on our side:
   CPU tensors. This is how all_reduce runs without a copy (counted by `torchtpu.metrics()` as
   `dist_buffers_claimed`).
 - any other output receives into a pooled host buffer that then becomes the output's device
-  buffer (`memory.move_from_host`), or is copied into it when the output is a view. An
-  all_reduce of such a tensor copies its value into that buffer first, since device buffers are
-  immutable.
+  buffer (`memory.move_from_host`), or is copied into it when the output is a view. So does a
+  fresh `torch.empty` output (what TorchRec's all-to-alls write into every step): it has no
+  device buffer yet, and reading it would make one of zeros only to replace it. An
+  all_reduce of a tensor it cannot claim copies its value into that buffer first, since device
+  buffers are immutable.
 
 All-to-alls move as point-to-point messages (`pairwise`), each peer's region straight from the
 input's memory into the output's.
@@ -116,11 +118,12 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _claimed(t: torch.Tensor):
-    """`claim`'s donated (and ready) array, not yet exported; None where there is none."""
+    """`claim`'s donated (and ready) array, not yet exported; None where there is none (a
+    never-written storage has no buffer, and is not read: that would make one of zeros)."""
     if runtime.runtime().platform != "cpu":
         return None
     buffer = storage.buffer_of(t)
-    if buffer.sharded or memory.to_array(t) is not buffer.value:
+    if buffer.value is None or buffer.sharded or memory.to_array(t) is not buffer.value:
         return None
     _jax().collect_garbage()
     if sys.getrefcount(buffer.value) > 2:  # held elsewhere too (the storage's reference, the argument)

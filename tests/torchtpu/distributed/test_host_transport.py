@@ -7,9 +7,10 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 import torch
 
-from torchtpu.distributed.host_transport import ReceiveBuffers, _borrowed, claim, host_view
+from torchtpu.distributed.host_transport import ReceiveBuffers, _borrowed, _Staging, claim, host_view
 from torchtpu.exec import memory
 
 
@@ -115,3 +116,18 @@ def test_what_gloo_holds_does_not_keep_a_claimed_buffer_exported():
     del host  # the transport lets go once gloo is done; gloo may hold `lent` a while longer
     again = claim(t)
     assert again is not None and again.data_ptr() == lent.data_ptr()  # aliased, not copied
+
+
+def test_a_never_written_output_is_received_without_reading_it(monkeypatch):
+    # A fresh `torch.empty` (what TorchRec's all-to-alls write into every step) has no device
+    # buffer yet: reading it would make one of zeros, only to have it replaced.
+    out = torch.empty(2, 3, device="tpu:0")
+    reads = []
+    monkeypatch.setattr(memory, "to_array", lambda t: reads.append(t) or pytest.fail("read a never-written output"))
+    staging = _Staging(ReceiveBuffers())
+    host = staging.receive(out)
+    host.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    staging.deliver()
+    monkeypatch.undo()
+    assert not reads
+    assert out.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -13,10 +13,11 @@ for a scheduler tick now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-a
 such stall could decide a block of ten 1 MiB calls. Reported: the median block of each side
 as bus bandwidth, and the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
-(n-1)/n. The goal is tpu_dist >= 0.9x gloo: the backend itself should add next to nothing to
-the transport it runs on. (One thing it adds on purpose: in every all-to-all, tpu_dist sends each
-peer its row of sizes -- a small point-to-point message, beside the data once sizes repeat -- so
-that mismatched splits raise instead of hanging; gloo on CPU tensors checks nothing.)
+(n-1)/n. The all-to-alls run twice: into the same output every call, and into a new output each
+call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the backend itself should
+add next to nothing to the transport it runs on. (One thing it adds on purpose: before an
+all-to-all every rank's sizes are agreed -- a small point-to-point message to each peer, skipped
+while sizes repeat -- so that mismatched splits raise instead of hanging; gloo checks nothing.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,28 @@ import time
 
 import torch.multiprocessing as mp
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
+def _all_to_all_into_new(output, input, group) -> None:
+    """all_to_all_single into a new tensor like `output`, as TorchRec's all-to-alls write each
+    step (both sides pay for making it: a few us for a cpu tensor, ~20-50 us for a tpu one)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_to_all_single(torch.empty_like(output), input, group=group)
+
+
+def _collectives():
+    """What each row times: its name, its bus bandwidth per byte of the buffer (nccl-tests: an
+    all_reduce moves 2(n-1)/n of it per rank, an all-to-all (n-1)/n), the collective, and its
+    CPU tensors of n elements."""
+    import torch
+    import torch.distributed as dist
+
+    all_reduce, all_to_all = (lambda n: 2 * (n - 1) / n), (lambda n: (n - 1) / n)
+    return (
+        ("all_reduce", all_reduce, dist.all_reduce, lambda n: [torch.ones(n)]),
+        ("all_to_all_single", all_to_all, dist.all_to_all_single, lambda n: [torch.empty(n), torch.ones(n)]),
+        ("all_to_all (new out)", all_to_all, _all_to_all_into_new, lambda n: [torch.empty(n), torch.ones(n)]),
+    )
 
 
 def _time_block(collective, tensors, group, barrier_group, iters: int) -> float:
@@ -67,10 +89,10 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
     device = torch.device("tpu", rank)
     load_before = os.getloadavg()
     rows = []
-    for name, collective in (("all_reduce", dist.all_reduce), ("all_to_all_single", dist.all_to_all_single)):
+    for name, bus_factor, collective, make in _collectives():
         for mib in sizes_mib:
             numel = mib * 2**20 // 4 // world * world
-            cpu = [torch.ones(numel)] if name == "all_reduce" else [torch.empty(numel), torch.ones(numel)]
+            cpu = make(numel)
             tpu = [t.to(device) for t in cpu]
             sides = {"gloo": (cpu, gloo), "tpu_dist": (tpu, dist.group.WORLD)}
             for tensors, group in sides.values():
@@ -81,7 +103,7 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
                 for side in order:
                     tensors, group = sides[side]
                     times[side].append(_time_block(collective, tensors, group, gloo, _block_calls(mib, iters)))
-            bus = BUS_FACTOR[name](world) * numel * 4 / 1e9
+            bus = bus_factor(world) * numel * 4 / 1e9
             ratio = statistics.median(g / t for g, t in zip(times["gloo"], times["tpu_dist"]))
             rows.append((name, mib, bus / statistics.median(times["gloo"]),
                          bus / statistics.median(times["tpu_dist"]), ratio))
@@ -91,9 +113,9 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
         print(f"world size {world}; {trials} trials per side of a block of calls ({calls}); bus bandwidth in "
               f"GB/s (median block); ratio = median over trials of tpu_dist / gloo")
         print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-        print(f"{'collective':<18} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
+        print(f"{'collective':<20} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
         for name, mib, gloo_bw, tpu_bw, ratio in rows:
-            print(f"{name:<18} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
+            print(f"{name:<20} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
     dist.destroy_process_group()
 
 

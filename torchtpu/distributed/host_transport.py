@@ -21,6 +21,15 @@ copied on our side:
 All-to-alls move as point-to-point messages (`pairwise`), each peer's region straight from the
 input's memory into the output's.
 
+Where the time goes, at 1 MiB and world size 2 on the 2-core stand-in (medians per call, both
+ranks busy; alone each part costs a third to a quarter of it): a guessed all_to_all_single into
+the same output spends ~100-150 us before its messages are posted -- PyTorch's wrapper ~15 (gloo
+pays it too), routing, checks and the guess ~12, reading the input ~30 (its DLPack export ~6),
+claiming the output ~40 (the donation's dispatch ~30) -- and ~25 after its data arrived; posting
+and moving the data take ~450-550 us against gloo's ~500-700 for the whole call. Into a new
+output the claim is replaced by a pooled receive buffer (~20-35) that becomes the output's
+device buffer (~25-80), and `torch.empty` on tpu costs ~20-50 against ~2 on cpu.
+
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.
 """

@@ -121,6 +121,16 @@ def test_unsupported_dtype_is_a_type_error():
         torch.empty(3, dtype=torch.uint16, device="tpu")
 
 
+def test_a_tensor_too_large_to_address_is_an_error_as_on_cpu():
+    # Made by the Python kernel, such a tensor aborted the process inside PyTorch's storage code.
+    for size, stride in (((1 << 40, 1 << 40), None), ((1 << 61,), None), ((1 << 40, 2), (1 << 40, 1))):
+        with pytest.raises(RuntimeError, match="Storage size calculation overflowed") as cpu:
+            torch.empty_strided(size, stride) if stride else torch.empty(size)
+        with pytest.raises(RuntimeError) as tpu:
+            torch.empty_strided(size, stride, device="tpu") if stride else torch.empty(size, device="tpu")
+        assert str(tpu.value) == str(cpu.value)
+
+
 def test_item_tolist_numpy():
     t = torch.tensor([[1.5, -2.0], [3.0, 4.25]]).to("tpu")
     assert t[1, 1].item() == 4.25

@@ -21,7 +21,7 @@ import torch
 
 import torchtpu
 from torchtpu import storage
-from torchtpu.exec import deferred, fast_dispatch
+from torchtpu.exec import deferred, fast_dispatch, memory
 
 pytestmark = pytest.mark.skipif(not fast_dispatch.enabled(), reason="the fast path needs a C++ compiler")
 
@@ -542,3 +542,90 @@ def test_a_compiled_graph_call_of_another_layout_takes_the_python_path():
     with torch.tpu.precision("highest"):
         torch.testing.assert_close(g(ta, ta).cpu(), (a * a).sum(0), rtol=1e-6, atol=1e-6)  # another key
     assert _graph_fast_calls() - before == 1
+
+
+def _factory_calls() -> int:
+    return torchtpu.metrics().get("factory_fast_calls", 0)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
+
+
+# (name, the call on a tpu tensor `like`, what the Python kernel makes for it, `like`'s CPU value)
+FACTORIES = [
+    ("empty", lambda like: torch.empty(3, 4, device="tpu"), lambda: memory.empty_memory_format((3, 4)), None),
+    ("empty of a dtype on a device", lambda like: torch.empty(5, dtype=torch.bfloat16, device="tpu:0"),
+     lambda: memory.empty_memory_format((5,), torch.bfloat16, device=torch.device("tpu", 0)), None),
+    ("empty with a size of 0", lambda like: torch.empty(2, 0, 3, device="tpu", dtype=torch.int64),
+     lambda: memory.empty_memory_format((2, 0, 3), torch.int64), None),
+    ("0-dim empty", lambda like: torch.empty((), device="tpu", dtype=torch.bool),
+     lambda: memory.empty_memory_format((), torch.bool), None),
+    ("empty_strided with gaps", lambda like: torch.empty_strided((2, 3), (1, 4), device="tpu", dtype=torch.complex64),
+     lambda: memory.empty_strided((2, 3), (1, 4), torch.complex64), None),
+    ("empty_like of a transposed tensor keeps its strides", lambda like: torch.empty_like(like.t()),
+     lambda: memory.empty_strided((6, 4), (1, 6)), torch.ones(4, 6)),
+    ("new_empty", lambda like: like.new_empty((7, 2)), lambda: memory.empty_memory_format((7, 2), torch.int8),
+     torch.ones(2, dtype=torch.int8)),
+]
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer", "debug"])
+@pytest.mark.parametrize("name,make,python_kernel,like", FACTORIES, ids=[f[0] for f in FACTORIES])
+def test_empty_tensors_are_made_in_cpp_as_the_python_kernel_makes_them(mode, name, make, python_kernel, like):
+    like = None if like is None else like.to("tpu")
+    with torchtpu.eager_mode(mode):
+        make(like)  # a device's first tensor is the Python kernel's (it checks the device)
+        before = _factory_calls()
+        got = make(like)
+        assert _factory_calls() - before == 1
+        want = python_kernel()
+        assert _layout(got) == _layout(want)
+        assert storage.buffer_of(got).value is None  # no device memory until written
+        assert torch.equal(got.cpu(), torch.zeros_like(want.cpu()))
+        if got.numel():
+            got.fill_(1)
+            assert torch.equal(got.cpu(), torch.ones_like(want.cpu()))
+
+
+def test_empty_tensors_made_in_cpp_are_counted_in_device_memory():
+    torch.empty(1, device="tpu")
+    before = torch.tpu.memory_allocated()
+    t = torch.empty(256, device="tpu")
+    assert torch.tpu.memory_allocated() - before == 1024
+    del t
+    gc.collect()
+    assert torch.tpu.memory_allocated() == before
+
+
+def test_factory_calls_that_are_not_plain_take_the_python_kernel():
+    torch.empty(1, device="tpu")
+    before = _factory_calls()
+    channels_last = torch.empty(2, 3, 4, 5, device="tpu", memory_format=torch.channels_last)
+    assert channels_last.stride() == torch.empty(2, 3, 4, 5, memory_format=torch.channels_last).stride()
+    with pytest.raises(RuntimeError, match="negative"):
+        torch.empty(2, -1, device="tpu")
+    with pytest.raises(TypeError, match="uint16"):
+        torch.empty(2, device="tpu", dtype=torch.uint16)
+    with pytest.raises(RuntimeError, match="tpu:7 does not exist"):
+        torch.empty(2, device="tpu:7")
+    with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+        torch.empty(1 << 40, 1 << 40, device="tpu")
+    assert _factory_calls() == before
+
+
+def test_a_devices_first_empty_tensor_is_the_python_kernels():
+    script = (
+        "import torch, torchtpu\n"
+        "torch.empty(1, device='tpu:0')\n"
+        "first = torchtpu.metrics().get('factory_fast_calls', 0)\n"
+        "torch.empty(1, device='tpu:1')\n"
+        "second = torchtpu.metrics().get('factory_fast_calls', 0)\n"
+        "torch.empty(1, device='tpu:1')\n"
+        "print(first, second, torchtpu.metrics().get('factory_fast_calls', 0))\n"
+    )
+    env = {**os.environ, "TORCHTPU_DEVICE_LOCK": "0", "TORCHTPU_NUM_DEVICES": "2",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["0", "0", "1"]

@@ -1,5 +1,5 @@
-// The eager modes' fast path: a C++ kernel in front of an op's Python kernel; and the view
-// kernels, which need no Python at all.
+// The eager modes' fast path: a C++ kernel in front of an op's Python kernel; the view kernels,
+// which need no Python at all; and the `empty` factories (see "factories" below).
 //
 // An op call that repeats an earlier call's layout (same dtypes, shapes, strides, storage sharing
 // and static values) does what that call did. The Python kernel finds it through the op's plan
@@ -23,7 +23,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Storage.h>
@@ -47,6 +49,7 @@ std::atomic<int> eager_mode{kOther};
 std::atomic<int64_t> precision_code{0};
 std::atomic<int64_t> fast_calls{0};
 std::atomic<int64_t> graph_fast_calls{0};
+std::atomic<int64_t> factory_fast_calls{0};
 
 // Set once by torchtpu_fast_init (under the GIL), then only read.
 PyObject* buffer_attr = nullptr;    // the storage attribute holding its DeviceBuffer
@@ -472,22 +475,18 @@ bool read_executable(PyObject* info, Executable& exe) {
   return !PyErr_Occurred();
 }
 
-// A new tpu tensor of `out`'s geometry over `value`: a DeviceBuffer (`is_buffer`: what a recorded
-// call gives), or a device array that a new DeviceBuffer on `exe`'s device takes (what an
-// executable returns). Steals `value`; undefined (a Python error may be set) if it cannot be
-// made. Needs the GIL.
-at::Tensor new_output(const Output& out, PyObject* value, const Executable& exe, bool is_buffer) {
-  PyObject* buffer = value == nullptr || is_buffer
-                         ? value
-                         : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value, nullptr);
-  if (buffer != value) Py_XDECREF(value);
-  uint64_t address = buffer != nullptr ? addresses.take(out.nbytes) : 0;
+// A new tpu tensor of this geometry, dtype and device over a storage of `nbytes` that owns
+// `buffer` (a DeviceBuffer; stolen). Undefined (a Python error may be set) if `buffer` is nullptr
+// or the tensor cannot be made. Needs the GIL.
+at::Tensor tensor_over(PyObject* buffer, c10::IntArrayRef sizes, c10::IntArrayRef strides, c10::ScalarType scalar_type,
+                       c10::DeviceIndex index, int64_t nbytes) {
+  uint64_t address = buffer != nullptr ? addresses.take(nbytes) : 0;
   at::Tensor t;
   if (address != 0) {
     try {
-      c10::Device device(c10::DeviceType::PrivateUse1, exe.index);
-      t = at::from_blob(reinterpret_cast<void*>(address), out.sizes, out.strides, [](void*) {},
-                        at::TensorOptions().dtype(out.scalar_type).device(device), device);
+      c10::Device device(c10::DeviceType::PrivateUse1, index);
+      t = at::from_blob(reinterpret_cast<void*>(address), sizes, strides, [](void*) {},
+                        at::TensorOptions().dtype(scalar_type).device(device), device);
       PyObject* storage = THPStorage_Wrap(t.storage());
       if (storage == nullptr || PyObject_SetAttr(storage, buffer_attr, buffer) != 0) t = at::Tensor();
       Py_XDECREF(storage);
@@ -497,6 +496,18 @@ at::Tensor new_output(const Output& out, PyObject* value, const Executable& exe,
   }
   Py_XDECREF(buffer);
   return t;
+}
+
+// A new tpu tensor of `out`'s geometry over `value`: a DeviceBuffer (`is_buffer`: what a recorded
+// call gives), or a device array that a new DeviceBuffer on `exe`'s device takes (what an
+// executable returns). Steals `value`; undefined (a Python error may be set) if it cannot be
+// made. Needs the GIL.
+at::Tensor new_output(const Output& out, PyObject* value, const Executable& exe, bool is_buffer) {
+  PyObject* buffer = value == nullptr || is_buffer
+                         ? value
+                         : PyObject_CallFunctionObjArgs(new_buffer, out.dtype, out.numel, exe.device, value, nullptr);
+  if (buffer != value) Py_XDECREF(value);
+  return tensor_over(buffer, out.sizes, out.strides, out.scalar_type, exe.index, out.nbytes);
 }
 
 // Strict mode, in place: output `i` of an executable becomes the value of the buffer of the
@@ -676,6 +687,109 @@ struct FastKernel final : public c10::OperatorKernel {
 // Python view kernels in torchtpu/exec/kernels.py do the same, through Python).
 void cpu_view(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
   handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
+// --- factories -----------------------------------------------------------------------------------
+//
+// `torch.empty` and `torch.empty_strided` (so `empty_like` and `new_empty` too) on tpu: a new
+// tensor over a new DeviceBuffer, which holds no device memory until it is written. Made here,
+// as the fast path makes its outputs, instead of by the Python kernel (`memory.empty_*`: ~22 us a
+// call through PyTorch's dispatch into Python, against ~7 here). In every eager mode: an empty
+// tensor is the same in all. Any call but the plain one -- symbolic, negative or overflowing
+// geometry, another layout, pinned memory, a memory format other than contiguous or preserve, a
+// dtype torchtpu does not support, or a device the Python kernel has not yet made a tensor on (it
+// validates the index and takes the device's process lock) -- goes to the Python kernel on
+// PrivateUse2, which checks it and raises what is wrong.
+
+PyObject* supported_dtypes = nullptr;  // the torch.dtypes torchtpu supports (a frozenset)
+std::atomic<uint64_t> devices_made_on{0};  // bit i: the Python kernel made a tensor on tpu:i
+
+// The concrete ints of a (Sym)Int list argument, or false.
+bool int_list(const c10::IValue& value, std::vector<int64_t>& out) {
+  if (value.isIntList()) {
+    out = value.toIntVector();
+    return true;
+  }
+  if (!value.isList()) return false;
+  for (const c10::IValue& item : value.toListRef()) {
+    if (item.isInt()) {
+      out.push_back(item.toInt());
+    } else if (item.isSymInt() && !item.toSymInt().is_symbolic()) {
+      out.push_back(item.toSymInt().as_int_unchecked());
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The new empty tensor of a factory call whose arguments (the last `n` on the stack) are
+// `size, [stride,] dtype, layout, device, pin_memory[, memory_format]`; undefined where the
+// Python kernel must make it.
+at::Tensor plain_empty(torch::jit::Stack* stack, bool strided) {
+  const size_t n = 6;
+  const c10::IValue* arg = &(*stack)[stack->size() - n];
+  std::vector<int64_t> sizes, strides;
+  if (!int_list(arg[0], sizes)) return {};
+  if (strided && (!int_list(arg[1], strides) || strides.size() != sizes.size())) return {};
+  const c10::IValue* rest = arg + (strided ? 2 : 1);  // dtype, layout, device, pin_memory
+  if (!rest[1].isNone() && rest[1].toLayout() != c10::kStrided) return {};
+  if (!rest[3].isNone() && rest[3].toBool()) return {};
+  if (!strided && !rest[4].isNone()) {
+    c10::MemoryFormat format = rest[4].toMemoryFormat();
+    if (format != c10::MemoryFormat::Contiguous && format != c10::MemoryFormat::Preserve) return {};
+  }
+  c10::ScalarType scalar_type =
+      rest[0].isNone() ? c10::typeMetaToScalarType(c10::get_default_dtype()) : rest[0].toScalarType();
+  if (!rest[2].isNone() && !rest[2].toDevice().is_privateuseone()) return {};
+  c10::DeviceIndex index = rest[2].isNone() ? -1 : rest[2].toDevice().index();
+  if (index < 0) index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+  if (index < 0 || index >= 64 || !(devices_made_on.load(std::memory_order_relaxed) >> index & 1)) return {};
+  // The storage's elements, as storage.py's `storage_numel` counts them.
+  int64_t numel = 1, acc = 1;
+  bool none = false;
+  if (!strided) strides.assign(sizes.size(), 0);
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] < 0 || (strided && strides[i] < 0)) return {};
+    if (!strided) {
+      strides[i] = acc;
+      if (__builtin_mul_overflow(acc, std::max<int64_t>(sizes[i], 1), &acc)) return {};
+    }
+    none = none || sizes[i] == 0;
+    int64_t span;
+    if (sizes[i] > 0 && (__builtin_mul_overflow(sizes[i] - 1, strides[i], &span) ||
+                         __builtin_add_overflow(numel, span, &numel))) {
+      return {};
+    }
+  }
+  int64_t nbytes;
+  if (none) numel = 0;
+  if (__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(scalar_type)), &nbytes)) return {};
+  Gil gil;
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(scalar_type));
+  if (PySet_Contains(supported_dtypes, dtype) != 1) {
+    PyErr_Clear();
+    return {};
+  }
+  PyObject* buffer = PyObject_CallFunction(new_buffer, "OLiO", dtype, static_cast<long long>(numel),
+                                           static_cast<int>(index), Py_None);
+  at::Tensor t = tensor_over(buffer, sizes, strides, scalar_type, index, nbytes);
+  if (!t.defined()) PyErr_Clear();  // the Python kernel makes it, or says what went wrong
+  return t;
+}
+
+template <bool kStrided>
+void empty_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  at::Tensor t = plain_empty(stack, kStrided);
+  if (t.defined()) {
+    torch::jit::drop(*stack, 6);
+    stack->emplace_back(std::move(t));
+    factory_fast_calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  handle.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
+  c10::DeviceIndex index = stack->back().toTensor().device().index();
+  if (index >= 0 && index < 64) devices_made_on.fetch_or(uint64_t{1} << index, std::memory_order_relaxed);
 }
 
 std::mutex libraries_lock;
@@ -941,6 +1055,28 @@ int torchtpu_view_install(const char* ns, const char* name) {
     return 1;
   }
 }
+
+// Registers the factory kernels for PrivateUse1 on aten::empty.memory_format and
+// aten::empty_strided (their Python kernels go to PrivateUse2); `dtypes`: a frozenset of the
+// torch.dtypes torchtpu supports. Called with the GIL held; 0 on success.
+int torchtpu_empty_install(PyObject* dtypes) {
+  try {
+    Py_INCREF(dtypes);
+    supported_dtypes = dtypes;
+    auto library = impl_library("aten");
+    library->impl("empty.memory_format", torch::CppFunction::makeFromBoxedFunction<&empty_kernel<false>>());
+    library->impl("empty_strided", torch::CppFunction::makeFromBoxedFunction<&empty_kernel<true>>());
+    keep(std::move(library));
+    return 0;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return 1;
+  }
+}
+
+long long torchtpu_factory_calls() { return factory_fast_calls.load(); }
+
+void torchtpu_factory_reset_calls() { factory_fast_calls.store(0); }
 
 // The eager mode the kernels serve: 0 strict, 1 defer, -1 any other (the Python kernels).
 void torchtpu_fast_set_mode(int mode) { eager_mode.store(mode == kStrict || mode == kDefer ? mode : kOther); }

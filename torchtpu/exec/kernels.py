@@ -117,6 +117,21 @@ def _register_view(op: OpOverload) -> None:
         _register(op, _view_kernel(op))
 
 
+_FACTORIES = (aten.empty.memory_format, aten.empty_strided.default)
+
+
+def _register_factories() -> None:
+    """The kernels of `torch.empty` and `empty_strided`: C++ where the fast path is installed
+    (their Python kernels then serve PrivateUse2, which it hands every call but the plain ones)."""
+    if all(op in _registered for op in _FACTORIES):
+        return
+    fast = fast_dispatch.enabled()
+    for op in _FACTORIES:
+        _register(op, _MEMORY_KERNELS[op], "PrivateUse2" if fast else "PrivateUse1")
+    if fast:
+        fast_dispatch.install_factories()
+
+
 def _register_lowered(op: OpOverload) -> None:
     """The kernel of an op with a lowering: behind the C++ fast path where that reads the op's
     calls (the Python kernel then serves PrivateUse2, which the fast path hands calls to)."""
@@ -297,6 +312,7 @@ def register_all() -> None:
     fallback. Called once when torchtpu is imported (and again after new lowerings register)."""
     for op in _VIEW_OPS:
         _register_view(op)
+    _register_factories()
     for op, kernel in _MEMORY_KERNELS.items():
         _register(op, kernel)
     for op, kernel in registry.data_dependent_ops().items():

@@ -314,11 +314,12 @@ def new_tensor(
 def empty(sizes: Sequence[int], dtype: torch.dtype, device: int, strides=None) -> torch.Tensor:
     """An uninitialised tensor: its storage reads as zeros until written."""
     sizes = tuple(sizes)
-    given = "" if strides is None else f" and strides={list(strides)}"
+    given = strides is not None
     strides = contiguous_strides(sizes) if strides is None else tuple(strides)
     numel = storage_numel(sizes, strides)
     if numel * _ITEMSIZE[dtype] >= 1 << 63:  # PyTorch's own limit (and message): bytes in an int64
-        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(sizes)}{given}")
+        shown = f" and strides={list(strides)}" if given else ""
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(sizes)}{shown}")
     return new_tensor(DeviceBuffer(dtype, numel, device), sizes, strides)
 
 

@@ -33,8 +33,9 @@ the same road (`graph_call`): keyed by their arguments' layout, a plain call's e
 So are the factories `empty.memory_format` and `empty_strided` (and with them `empty_like` and
 `new_empty`; `install_factories`): a plain call's tensor, over a new device buffer that holds no
 memory until written, is made in C++ in every eager mode (~7 us a call against ~22 through the
-Python kernel); any other call -- a memory format, a dtype or a device the Python kernel has not
-checked yet -- takes their Python kernels (`memory.empty_*`) on PrivateUse2.
+Python kernel); any other call -- another memory format, a dtype torchtpu does not support, a
+device the Python kernel has not checked yet -- takes their Python kernels (`memory.empty_*`) on
+PrivateUse2, which check it.
 
 Without a C++ compiler, or with `TORCHTPU_FAST_DISPATCH=0`, the Python kernels stay on
 PrivateUse1: the same results, slower. `torchtpu.metrics()["eager_fast_calls"]` counts the

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 def _all_to_all_into_new(output, input, group) -> None:
     """all_to_all_single into a new tensor like `output`, as TorchRec's all-to-alls write each
-    step (both sides pay for making it: a few us for a cpu tensor, ~20-50 us for a tpu one)."""
+    step (both sides pay for making it: ~1 us alone for a cpu tensor, ~7 for a tpu one)."""
     import torch
     import torch.distributed as dist
 

@@ -28,7 +28,13 @@ pays it too), routing, checks and the guess ~12, reading the input ~30 (its DLPa
 claiming the output ~40 (the donation's dispatch ~30) -- and ~25 after its data arrived; posting
 and moving the data take ~450-550 us against gloo's ~500-700 for the whole call. Into a new
 output the claim is replaced by a pooled receive buffer (~20-35) that becomes the output's
-device buffer (~25-80), and `torch.empty` on tpu costs ~20-50 against ~2 on cpu.
+device buffer (~25-80); making the output costs ~7 us alone on tpu (the fast path's factory)
+against ~1 on cpu. The slowest tenth of the calls stall for milliseconds while posting or
+waiting (~2.7 ms and more, against ~0.9 ms for gloo's slowest tenth), which medians hide and
+the benchmark's block means do not: posting a receive, ~50 us at the median, took 1-1.7 ms on
+average in those calls. Likely preemption: during an exchange each rank has three busy threads
+(the caller and both directions' transport threads) against gloo's two, on two cores -- though
+one group for both directions measured worse on means too (1 MiB 0.66-0.92x against 0.76-0.86x).
 
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.

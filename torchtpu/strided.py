@@ -39,19 +39,6 @@ class Geometry(NamedTuple):
         return math.prod(self.sizes)
 
 
-def is_whole(geometry: Geometry, storage_numel: int) -> bool:
-    """True when the tensor is contiguous and covers its whole storage (the common case)."""
-    sizes, strides, offset = geometry
-    if offset != 0 or math.prod(sizes) != storage_numel:
-        return False
-    expected = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 @functools.lru_cache(maxsize=4096)
 def is_dense_run(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """True when a tensor of these sizes and strides is one contiguous run of memory in some

@@ -590,8 +590,9 @@ def test_empty_tensors_are_made_in_cpp_as_the_python_kernel_makes_them(mode, nam
 
 def test_empty_tensors_made_in_cpp_are_counted_in_device_memory():
     torch.empty(1, device="tpu")
-    before = torch.tpu.memory_allocated()
+    before, calls = torch.tpu.memory_allocated(), _factory_calls()
     t = torch.empty(256, device="tpu")
+    assert _factory_calls() - calls == 1
     assert torch.tpu.memory_allocated() - before == 1024
     del t
     gc.collect()

@@ -85,8 +85,8 @@ def to_array(t: torch.Tensor):
     value = _materialized(buffer)
     checks.raise_pending()
     conj, neg = t.is_conj(), t.is_neg()
-    # The common case, checked first and cheaply (host reads of collectives pay it per call):
-    # `is_contiguous` ignores the strides of size-1 dims, as `strided.is_whole` does.
+    # A tensor that is contiguous and covers its whole storage (the common case; host reads of
+    # collectives pay this check per call) reads the storage's own buffer.
     whole = t.dtype == buffer.dtype and t.numel() == buffer.numel and t.storage_offset() == 0 and t.is_contiguous()
     if whole and value is not None and not (conj or neg):
         return value

@@ -18,16 +18,22 @@ may be any number) meets them either.
 
 Each direction has a group of its own: messages from a lower rank to a higher one travel on one
 gloo group, messages the other way on another. Gloo's tcp transport gives each pair of ranks one
-connection per group, moved by that group's transport thread under a lock of the pair; on one
-connection a rank's outgoing bytes wait for its incoming ones and the other way round. Two groups
-move both at once: at world size 2 on 2 cores, point-to-point exchanges of cpu tensors took ~8-12%
-less time at 16 and 64 MiB, ~3-5% at 4 MiB, and about the same at 1 MiB; tpu all-to-alls went
-from 0.67-0.85x gloo to 0.76-0.88x at 1 MiB and from 0.87-0.98x to 0.95-1.10x at 16 and 64 MiB
-(0.77-0.92x and ~1.1x with the receives posted first, below). At world size 3 they measured
-faster too at 4 and 16 MiB (0.96-1.10x against 0.86-1.00x), but at world size 4 on the same 2
-cores, two processes a core, a little slower (0.72-0.77x against 0.83-0.91x at 1 MiB): each group
-adds a transport thread per process. Every message from one rank to another -- data, rows,
-notices -- takes its direction's group, so they arrive in the order they were sent (see `exchange`).
+connection per group, under a lock of the pair; on one connection a rank's outgoing bytes wait
+for its incoming ones and the other way round. Two groups move both at once: at world size 2 on
+2 cores, point-to-point exchanges of cpu tensors took ~8-12% less time at 16 and 64 MiB, ~3-5% at
+4 MiB, and about the same at 1 MiB; tpu all-to-alls went from 0.67-0.85x gloo to 0.76-0.88x at
+1 MiB and from 0.87-0.98x to 0.95-1.10x at 16 and 64 MiB (0.77-0.92x and ~1.1x with the receives
+posted first, below). Every message from one rank to another -- data, rows, notices -- takes its
+direction's group, so they arrive in the order they were sent (see `exchange`).
+
+Both groups share one gloo device, so one transport thread moves both connections, as one thread
+moves gloo's own all-to-all (a group per device had two; a group's worker threads, which run
+collectives, are idle here: the calling thread posts every message). Fewer busy threads than
+cores matters more than moving both directions on two threads. Per call, alternating in one run
+(world size 2 on 2 cores, mean time per call, ratio against gloo): 1 MiB 0.97-1.08x (one run
+0.75x) against 0.69-0.92x with a device per group; 4 MiB 1.07-1.12x against 0.97-1.14x; 16 MiB
+about the same (1.11x); 64 MiB 1.01-1.03x against 1.13-1.17x, where a second thread had paid.
+At world size 4 (two processes a core) 1 MiB went from 0.77x to 1.02x.
 
 An exchange sends every peer one message, an empty one for an empty region, so that whatever a
 rank sent a peer before its exchange has arrived once the peer has its message (see `exchange`).
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -81,8 +88,9 @@ class Pairwise:
     messages to higher ranks, one for messages to lower ranks."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
-        upward, downward = (dist.ProcessGroupGloo(dist.PrefixStore(f"pairwise-{direction}/", store), rank, size,
-                                                  timeout) for direction in ("up", "down"))
+        devices = _devices()  # both groups on one device: one transport thread (module docstring)
+        upward, downward = (_group_on(devices, dist.PrefixStore(f"pairwise-{direction}/", store), rank, size, timeout)
+                            for direction in ("up", "down"))
         # The group of the messages from this rank to each rank, and from each rank to this one.
         self._to = [upward if rank < peer else downward for peer in range(size)]
         self._from = [upward if peer < rank else downward for peer in range(size)]
@@ -146,6 +154,25 @@ class Pairwise:
             messages.append(to[destination].send([inputs[destination]], destination, tag))
         copy_bytes(outputs[self._rank], inputs[self._rank])
         return PairwiseWork(messages)
+
+
+def _devices() -> list:
+    """The gloo devices a group of this process gets, as `dist.ProcessGroupGloo(store, rank, size,
+    timeout)` makes them: one per interface named in GLOO_SOCKET_IFNAME, else the default one
+    (which reads GLOO_DEVICE_TRANSPORT)."""
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(interfaces) > 1:
+        return [dist.ProcessGroupGloo.create_device(interface=name) for name in interfaces.split(",")]
+    return [dist.ProcessGroupGloo.create_default_device()]
+
+
+def _group_on(devices: list, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group on `devices`, with one worker thread: its messages are posted by the caller."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = devices
+    options._timeout = timeout
+    options._threads = 1
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def tag_of(sequence: int, number: int) -> int:

@@ -55,6 +55,20 @@ def test_ops_are_recorded_and_run_as_one_program(defer):
     assert torchtpu.metrics()["defer_flushes"] == 1 and deferred.pending_ops() == 0
 
 
+def test_a_copy_from_the_host_replaces_a_pending_value_that_earlier_ops_still_read(defer):
+    def program(device):
+        x = torch.arange(4.0, device=device)
+        y = x * 2
+        before = y + 1  # recorded while y is pending: reads y's old value
+        y.copy_(torch.full((4,), 7.0))  # y's whole buffer replaced from the host
+        return before, y + 1, y
+
+    got, want = program("tpu"), program("cpu")
+    assert "defer_flushes" not in torchtpu.metrics()  # y was replaced while still pending
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu(), b)
+
+
 def _line_of(error: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == __file__]
     return frames[-1].line

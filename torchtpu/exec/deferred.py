@@ -275,10 +275,6 @@ def materialize(buffer: DeviceBuffer, reason: str) -> None:
         flush(reason)
 
 
-def forget(buffer: DeviceBuffer) -> None:
-    """The buffer's contents are about to be replaced from the host: its promise is moot."""
-
-
 def flush(reason: str) -> None:
     """Compile (or reuse) and run everything pending as one XLA computation."""
     with _state.lock:

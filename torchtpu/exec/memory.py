@@ -184,12 +184,7 @@ def move_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     whole = src.dtype == dst.dtype and src.is_contiguous() and _fills_whole(dst, src)
     if runtime.runtime().platform != "cpu" or not whole:
         return copy_(dst, src)
-    buffer = storage.buffer_of(dst)
-    if modes.current() == "defer":
-        from torchtpu.exec import deferred
-
-        deferred.forget(buffer)
-    buffer.value = array_over_host(src.reshape(-1), dst.device.index)
+    storage.buffer_of(dst).value = array_over_host(src.reshape(-1), dst.device.index)
     return dst
 
 
@@ -241,12 +236,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             import jax
 
             array = torch_to_numpy(src.to(dst.dtype)).reshape(-1)
-            buffer = storage.buffer_of(dst)
-            if modes.current() == "defer":
-                from torchtpu.exec import deferred
-
-                deferred.forget(buffer)
-            buffer.value = host_to_device(array, index)
+            storage.buffer_of(dst).value = host_to_device(array, index)
             return dst
         src = from_host(src, index)
     elif src.device.index != index:

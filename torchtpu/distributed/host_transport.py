@@ -32,9 +32,11 @@ device buffer (~25-80); making the output costs ~7 us alone on tpu (the fast pat
 against ~1 on cpu. The slowest tenth of the calls stall for milliseconds while posting or
 waiting (~2.7 ms and more, against ~0.9 ms for gloo's slowest tenth), which medians hide and
 the benchmark's block means do not: posting a receive, ~50 us at the median, took 1-1.7 ms on
-average in those calls. Likely preemption: during an exchange each rank has three busy threads
-(the caller and both directions' transport threads) against gloo's two, on two cores -- though
-one group for both directions measured worse on means too (1 MiB 0.66-0.92x against 0.76-0.86x).
+average in those calls. Likely preemption: during an exchange each rank had three busy threads
+(the caller and both directions' transport threads) against gloo's two, on two cores. One group
+for both directions measured worse on means (1 MiB 0.66-0.92x against 0.76-0.86x); both
+directions' groups on one gloo device (one transport thread, `pairwise`) measured better in most
+runs.
 
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.

@@ -28,12 +28,13 @@ direction's group, so they arrive in the order they were sent (see `exchange`).
 
 Both groups share one gloo device, so one transport thread moves both connections, as one thread
 moves gloo's own all-to-all (a group per device had two; a group's worker threads, which run
-collectives, are idle here: the calling thread posts every message). Fewer busy threads than
-cores matters more than moving both directions on two threads. Per call, alternating in one run
-(world size 2 on 2 cores, mean time per call, ratio against gloo): 1 MiB 0.97-1.08x (one run
-0.75x) against 0.69-0.92x with a device per group; 4 MiB 1.07-1.12x against 0.97-1.14x; 16 MiB
-about the same (1.11x); 64 MiB 1.01-1.03x against 1.13-1.17x, where a second thread had paid.
-At world size 4 (two processes a core) 1 MiB went from 0.77x to 1.02x.
+collectives, are idle here: the calling thread posts every message). Each tpu_dist group then
+has six threads in gloo instead of nine. Per call at world size 2 on 2 cores, alternating with a
+device per group in one run (mean time per call, ratio against gloo; 11 runs of all_to_all_single
+at 1 MiB, into the same and into new outputs): better in 8 (0.97-1.08x against 0.83-0.92x in the
+quieter runs), worse in 3 (by 0.04-0.13). 4-16 MiB about the same (1.07-1.16x); 64 MiB
+1.01-1.03x against 1.13-1.17x, where a second thread paid. At world size 4 (two processes a
+core; one run) 1 MiB went from 0.77x to 1.02x.
 
 An exchange sends every peer one message, an empty one for an empty region, so that whatever a
 rank sent a peer before its exchange has arrived once the peer has its message (see `exchange`).

@@ -190,8 +190,6 @@ def move_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def from_host(src: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous `tpu:index` tensor holding the CPU tensor `src` (converted to `dtype`)."""
-    import jax
-
     dtype = dtype or src.dtype
     dtypes.check_supported(dtype)
     if src.dtype != dtype:
@@ -233,8 +231,6 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
         if src.device.type != "cpu":
             raise RuntimeError(f"copy_ from {src.device} to {dst.device} is not supported")
         if _fills_whole(dst, src):
-            import jax
-
             array = torch_to_numpy(src.to(dst.dtype)).reshape(-1)
             storage.buffer_of(dst).value = host_to_device(array, index)
             return dst

@@ -1,6 +1,7 @@
 """Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
 
     python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters N] [--trials 7]
+                                     [--seconds 1.0]
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
 Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
@@ -10,8 +11,13 @@ goes first alternating between trials, so that the shared machine's load falls o
 every block starts and ends with the same gloo barrier. A block has at least 10 calls and moves
 at least 32 MiB (`--iters` sets its calls instead): on a shared 2-core host single calls stall
 for a scheduler tick now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-all), and one
-such stall could decide a block of ten 1 MiB calls. Reported: the median block of each side
-as bus bandwidth, and the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
+such stall could decide a block of ten 1 MiB calls. Each size runs at least `--trials` trials,
+and more where blocks are short, so that each side's timed blocks last about `--seconds` in all
+(estimated from one untimed gloo block; the ranks agree on the largest count): a 1 MiB block
+lasts ~20-30 ms against ~0.3-0.6 s at 64 MiB, and seven of them left the 1 MiB ratio swinging
+between runs as much as gloo's own bandwidth does (0.37-0.66 GB/s). The count follows only the
+block's length, never the ratio. Reported: the median block of each side as bus bandwidth, and
+the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
 (n-1)/n. The all-to-alls run twice: into the same output every call, and into a new output each
 call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the backend itself should
@@ -23,6 +29,7 @@ while sizes repeat -- so that mismatched splits raise instead of hanging; gloo c
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -71,8 +78,22 @@ def _block_calls(mib: int, iters: int | None) -> int:
     return iters if iters is not None else max(10, -(-32 // mib))
 
 
+_MAX_TRIALS = 200
+
+
+def _trial_count(block_seconds: float, trials: int, seconds: float, group) -> int:
+    """Trials at one size: at least `trials`, and enough blocks of `block_seconds` to last
+    `seconds`; the largest count of any rank, so that every rank runs as many."""
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([max(trials, math.ceil(seconds / max(block_seconds, 1e-6)))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return min(int(count), _MAX_TRIALS)
+
+
 def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int], iters: int | None,
-          trials: int) -> None:
+          trials: int, seconds: float) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), TORCHTPU_LOCK_DIR=lock_dir, TORCHTPU_NUM_DEVICES=str(world),
@@ -97,25 +118,29 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
             sides = {"gloo": (cpu, gloo), "tpu_dist": (tpu, dist.group.WORLD)}
             for tensors, group in sides.values():
                 _time_block(collective, tensors, group, gloo, 3)  # warm-up: connections, buffers, programs
+            block_calls = _block_calls(mib, iters)
+            block = _time_block(collective, cpu, gloo, gloo, block_calls) * block_calls
+            count = _trial_count(block, trials, seconds, gloo)
             times: dict[str, list[float]] = {"gloo": [], "tpu_dist": []}
-            for trial in range(trials):
+            for trial in range(count):
                 order = ("gloo", "tpu_dist") if trial % 2 == 0 else ("tpu_dist", "gloo")
                 for side in order:
                     tensors, group = sides[side]
-                    times[side].append(_time_block(collective, tensors, group, gloo, _block_calls(mib, iters)))
+                    times[side].append(_time_block(collective, tensors, group, gloo, block_calls))
             bus = bus_factor(world) * numel * 4 / 1e9
             ratio = statistics.median(g / t for g, t in zip(times["gloo"], times["tpu_dist"]))
-            rows.append((name, mib, bus / statistics.median(times["gloo"]),
+            rows.append((name, mib, count, bus / statistics.median(times["gloo"]),
                          bus / statistics.median(times["tpu_dist"]), ratio))
     if rank == 0:
         load_after = os.getloadavg()
         calls = ", ".join(f"{_block_calls(mib, iters)} at {mib} MiB" for mib in sizes_mib)
-        print(f"world size {world}; {trials} trials per side of a block of calls ({calls}); bus bandwidth in "
-              f"GB/s (median block); ratio = median over trials of tpu_dist / gloo")
+        print(f"world size {world}; trials of a block of calls per side ({calls}), at least {trials} and "
+              f"~{seconds:g} s of blocks per side; bus bandwidth in GB/s (median block); ratio = median over "
+              f"trials of tpu_dist / gloo")
         print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-        print(f"{'collective':<20} {'MiB':>5} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
-        for name, mib, gloo_bw, tpu_bw, ratio in rows:
-            print(f"{name:<20} {mib:>5} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
+        print(f"{'collective':<20} {'MiB':>5} {'trials':>6} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
+        for name, mib, count, gloo_bw, tpu_bw, ratio in rows:
+            print(f"{name:<20} {mib:>5} {count:>6} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
     dist.destroy_process_group()
 
 
@@ -124,7 +149,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=None, help="calls per timed block (default: >= 10, >= 32 MiB)")
-    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--trials", type=int, default=7, help="trials per size, at least")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="timed blocks per side and size, about (more trials where blocks are short)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,7 +159,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tpu-dist-bench-") as lock_dir:
         mp.start_processes(
             _rank,
-            args=(args.world_size, port, lock_dir, args.sizes_mib, args.iters, args.trials),
+            args=(args.world_size, port, lock_dir, args.sizes_mib, args.iters, args.trials, args.seconds),
             nprocs=args.world_size,
             start_method="spawn",
         )

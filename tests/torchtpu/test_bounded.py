@@ -164,6 +164,64 @@ def test_a_bounded_graph_split_by_device_pads_what_the_host_returns():
     assert _graph_programs("inference_graph") <= 3 * 2
 
 
+def test_a_piece_whose_inputs_all_come_from_the_host_takes_the_graphs_bounds():
+    """The piece after the host op reads only the host op's result (no marked input of its own):
+    it takes the whole graph's bounded dimension, so it too compiles one program per bucket
+    (before, one per size: 7 here), and every size matches CPU."""
+
+    def fn(x, scale):
+        on_host = torch.tanh(x * 2).cpu() * scale
+        return on_host.to(x.device).exp().sum(0) * 2
+
+    compiled = torch.compile(fn, backend="tpu")
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    scale = torch.tensor(3.0)
+    for n in (3, 4, 2, 7, 5, 8, 6):  # buckets 2, 4, 8
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(compiled(torchtpu.bounded(x, 0), scale).cpu(), fn(x, scale), msg=f"rows {n}")
+    metrics = torchtpu.metrics()
+    assert metrics["compiled_graphs_split"] >= 1
+    assert metrics["bounded_inputs_copied"] == 4  # the host op's result, for each n not a bucket
+    assert _graph_programs("inference_graph") <= 3 * 2
+
+
+def test_a_split_training_step_compiles_its_backward_pieces_per_bucket_too():
+    """Forward and backward of a step whose activations visit the host: every piece of both
+    graphs compiles one program per bucket (the backward piece fed only by the host op's
+    gradient compiled one per size before), and the loss and gradients match CPU's."""
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3)
+    model = copy.deepcopy(reference).to("tpu")
+
+    def fn(m, x, scale):
+        on_host = torch.tanh(m(x)).cpu() * scale
+        return (on_host.to(x.device) ** 2).sum()
+
+    compiled = torch.compile(fn, backend="tpu")
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    scale = torch.tensor(3.0)
+    with torch.tpu.precision("highest"):
+        for n in (3, 4, 2, 7, 5, 8, 6):  # buckets 2, 4, 8
+            x = torch.randn(n, 4)
+            reference.zero_grad()
+            model.zero_grad()
+            want = fn(reference, x, scale)
+            want.backward()
+            got = compiled(model, torchtpu.bounded(x, 0), scale)
+            got.backward()
+            torch.testing.assert_close(got.cpu(), want, msg=f"loss, rows {n}")
+            for name, parameter in model.named_parameters():
+                torch.testing.assert_close(parameter.grad.cpu(), reference.get_parameter(name).grad,
+                                           msg=f"{name}.grad, rows {n}")
+    assert torchtpu.metrics()["compiled_graphs_split"] == 2
+    for kind in ("forward_graph", "backward_graph"):
+        by_piece = {name: count for name, count in torchtpu.metrics()["eager_programs_by_op"].items()
+                    if name.startswith(kind)}
+        assert len(by_piece) == 2 and all(count <= 3 for count in by_piece.values()), by_piece
+
+
 def test_an_input_written_in_place_is_never_padded_by_copy():
     """Padding by copy would take the graph's in-place write: an unpadded input the graph writes
     raises instead, naming the input."""

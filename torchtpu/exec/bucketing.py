@@ -29,9 +29,11 @@ silently mixed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from typing import Any, Callable, NamedTuple, Sequence
+import threading
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -145,9 +147,10 @@ class CallPlan:
 
 def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int] = frozenset()) -> CallPlan:
     """Bind the symbols of one call of a symbolic graph to this call's sizes, and find the
-    bounded ones from the marked storages of its tensor arguments; `written`: the positions of
-    the arguments the graph writes in place."""
-    policies: dict = {}
+    bounded ones from the marked storages of its tensor arguments -- or, for a symbol no argument
+    of a piece of a split graph marks (its inputs all made by eager ops), from the whole graph's
+    call (`bounded_like`); `written`: the positions of the arguments the graph writes in place."""
+    policies = _marked_policies(metas, args)
     sizes: dict = {}
     fixed: dict = {}
     symints: dict = {}
@@ -159,21 +162,13 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int]
             continue
         if not isinstance(meta, torch.Tensor) or not isinstance(arg, torch.Tensor):
             continue
-        marks = bounds_of(arg)
         for axis, size in enumerate(meta.shape):
             expr = _expr(size)
-            if expr is None:
-                continue
-            if expr.is_Symbol:
+            if expr is not None and expr.is_Symbol:
                 fixed[expr] = arg.shape[axis]
-            if axis in marks:
-                for symbol in expr.free_symbols:
-                    known = policies.setdefault(symbol, marks[axis])
-                    if known != marks[axis]:
-                        raise BucketingError(
-                            f"bounded dimension {symbol} is padded to {known} in one input and to "
-                            f"{marks[axis]} in input {position}: bound it with the same buckets"
-                        )
+    for symbol, policy in _inherited().items():
+        if symbol in fixed:
+            policies.setdefault(symbol, policy)
     for symbol in policies:
         if symbol not in fixed:
             raise BucketingError(f"the true size of bounded dimension {symbol} is not an input size")
@@ -186,6 +181,50 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int]
         for position, (meta, arg) in enumerate(zip(metas, args))
     ]
     return plan
+
+
+def _marked_policies(metas: Sequence[Any], args: Sequence[Any]) -> dict:
+    """The buckets of each bounded symbol, from the marked storages of the tensor arguments
+    (`torchtpu.bounded`, a bounded graph's outputs); two marks of one symbol must agree."""
+    policies: dict = {}
+    for position, (meta, arg) in enumerate(zip(metas, args)):
+        if not isinstance(meta, torch.Tensor) or not isinstance(arg, torch.Tensor):
+            continue
+        marks = bounds_of(arg)
+        for axis, size in enumerate(meta.shape):
+            expr = _expr(size)
+            if expr is None or axis not in marks:
+                continue
+            for symbol in expr.free_symbols:
+                known = policies.setdefault(symbol, marks[axis])
+                if known != marks[axis]:
+                    raise BucketingError(
+                        f"bounded dimension {symbol} is padded to {known} in one input and to "
+                        f"{marks[axis]} in input {position}: bound it with the same buckets"
+                    )
+    return policies
+
+
+_bounded_calls = threading.local()
+
+
+def _inherited() -> dict:
+    """The bounded symbols of the split graphs being called on this thread (`bounded_like`)."""
+    return getattr(_bounded_calls, "policies", {})
+
+
+@contextlib.contextmanager
+def bounded_like(metas: Sequence[Any], args: Sequence[Any]) -> Iterator[None]:
+    """While a split graph (`split`) runs: its pieces take the graph's bounded symbols as
+    bounded too. A piece whose inputs all come from eager ops between pieces (a host op's
+    result, moved back) has no marked input of its own; without the graph's word it would
+    compile a program for every size instead of every bucket."""
+    previous = _inherited()
+    _bounded_calls.policies = {**previous, **_marked_policies(metas, args)}
+    try:
+        yield
+    finally:
+        _bounded_calls.policies = previous
 
 
 def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any, written: bool) -> Any:

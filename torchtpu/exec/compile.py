@@ -310,7 +310,13 @@ def _compiler(kind: str):
                 "compiled piece(s)",
                 stacklevel=2,
             )
-        return make_boxed_func(outer.forward)
+        metas = [node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"]
+
+        def run_split(*args: Any) -> Any:
+            with bucketing.bounded_like(metas, args):
+                return outer.forward(*args)
+
+        return make_boxed_func(run_split)
 
     return compile_graph
 

@@ -8,6 +8,8 @@ nodes that a program can run -- ops with a lowering, all of whose tensors are on
 host tensors may be read, as everywhere) -- become one `CompiledGraph` each, and the other nodes
 stay in the outer graph, which runs them as ATen calls where their tensors are: host ops on the
 host, ops without a lowering through the tpu eager kernels, copies between devices as copies.
+A piece whose inputs come from such nodes takes the whole graph's bounded dimensions
+(`bucketing.bounded_like`, which the compiler wraps each split graph's call in).
 """
 
 from __future__ import annotations

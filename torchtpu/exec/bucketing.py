@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import threading
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -55,6 +56,10 @@ class SymValue(NamedTuple):
 
     bucket: int
     true: Any
+
+
+def _name(symbol) -> str:
+    return symbol.name
 
 
 def _expr(size) -> Any:
@@ -101,9 +106,10 @@ class CallPlan:
     policies: dict  # bounded symbol -> Buckets
     symints: dict  # argument position -> size expression of a SymInt argument with a bounded symbol
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple:
-        return tuple(sorted((str(s), v) for s, v in {**self.fixed, **self.buckets}.items()))
+        """Every symbol's value at this call's buckets, by name: part of the compile key."""
+        return tuple(sorted((s.name, v) for s, v in {**self.fixed, **self.buckets}.items()))
 
     def sizes_for_trace(self) -> "TraceSizes":
         """What tracing needs (no tensors: a compiled program must not keep this call's args)."""
@@ -114,7 +120,7 @@ class CallPlan:
         return [np.asarray(self.sizes[s], np.int64) for s in self.order()]
 
     def order(self) -> list:
-        return sorted(self.buckets, key=str)
+        return sorted(self.buckets, key=_name)
 
     def bucket_sizes(self, meta: torch.Tensor) -> tuple[int, ...]:
         values = {**self.fixed, **self.buckets}

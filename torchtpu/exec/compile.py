@@ -85,20 +85,22 @@ class GraphCall(opcall.Inputs):
 
     @classmethod
     def planned(cls, compiled: "CompiledGraph", args: Sequence[Any], plan: opcall.Plan,
-                buffers: list) -> "GraphCall":
-        """The call for a layout the graph has seen: its key, storages and device from `plan`."""
+                buffers: list, buckets: bucketing.CallPlan | None = None) -> "GraphCall":
+        """The call for a layout the graph has seen (at these buckets): its key, storages and
+        device from `plan`, its true sizes from `buckets`."""
         call = cls.__new__(cls)
         call.graph = compiled
         call.values = args
-        call.buckets = None
-        call.n_sizes = 0
+        call.buckets = buckets
+        sizes = buckets.true_sizes() if buckets is not None else []
+        call.n_sizes = len(sizes)
         call.plan = plan
         call.key = plan.key
         call.refs = plan.key[4]
         call.buffers = buffers
         call.storages = plan.storages
         call.device = plan.device
-        call.dynamic = [tpu_random.next_key_words(plan.device)] if compiled.random else []
+        call.dynamic = sizes + [tpu_random.next_key_words(plan.device)] if compiled.random else sizes
         return call
 
     def build(self) -> Program:
@@ -147,7 +149,7 @@ class CompiledGraph:
                 fast_dispatch.learn_graph(self.fast, key, call)
             return outs
         buckets = bucketing.plan_call(self.input_metas, args, self.written)
-        outs = self._write_host_inputs(args, submit(GraphCall(self, buckets.args, buckets)))
+        outs = self._write_host_inputs(args, submit(self._call(buckets.args, buckets)))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]
         return [buckets.unpad(out, meta) for out, meta in zip(outs, self.output_metas)]
@@ -161,18 +163,21 @@ class CompiledGraph:
             args[position].copy_(value)
         return outs[:-count]
 
-    def _call(self, args: Sequence[Any]) -> GraphCall:
-        """The graph's call on `args`. As an op's Encoder does, each argument layout is encoded
-        in full once; later calls with that layout read each argument once and reuse its Plan
-        (compile key, and what the executors derived from it)."""
+    def _call(self, args: Sequence[Any], buckets: bucketing.CallPlan | None = None) -> GraphCall:
+        """The graph's call on `args` (at `buckets`' sizes, for a bounded call). As an op's
+        Encoder does, each argument layout is encoded in full once; later calls with that layout
+        (and buckets) read each argument once and reuse its Plan (compile key, and what the
+        executors derived from it)."""
         try:
             layout, buffers = self._layout(args)
         except opcall.GeneralEncoding:
-            return GraphCall(self, args)
+            return GraphCall(self, args, buckets)
+        if buckets is not None:
+            layout = (layout, buckets.key)
         plan = self.plans.get(layout)
         if plan is not None:
-            return GraphCall.planned(self, args, plan, buffers)
-        call = GraphCall(self, args)
+            return GraphCall.planned(self, args, plan, buffers, buckets)
+        call = GraphCall(self, args, buckets)
         if (
             len(buffers) == len(call.buffers)
             and all(a is b for a, b in zip(buffers, call.buffers))

@@ -86,6 +86,8 @@ def _evaluate(expr, values: dict) -> Any:
 
 def _static(expr, values: dict) -> int:
     """A size expression at integer symbol values."""
+    if expr.is_Symbol:
+        return int(values[expr])
     import sympy
 
     return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
@@ -109,7 +111,7 @@ class CallPlan:
     @functools.cached_property
     def key(self) -> tuple:
         """Every symbol's value at this call's buckets, by name: part of the compile key."""
-        return tuple(sorted((s.name, v) for s, v in {**self.fixed, **self.buckets}.items()))
+        return tuple(sorted((s.name, v) for s, v in self.values.items()))
 
     def sizes_for_trace(self) -> "TraceSizes":
         """What tracing needs (no tensors: a compiled program must not keep this call's args)."""
@@ -122,9 +124,10 @@ class CallPlan:
     def order(self) -> list:
         return sorted(self.buckets, key=_name)
 
-    def bucket_sizes(self, meta: torch.Tensor) -> tuple[int, ...]:
-        values = {**self.fixed, **self.buckets}
-        return tuple(_static(e, values) if (e := _expr(s)) is not None else int(s) for s in meta.shape)
+    @functools.cached_property
+    def values(self) -> dict:
+        """Every symbol's value at the buckets (what sizes are traced at)."""
+        return {**self.fixed, **self.buckets}
 
     def unpad(self, out: Any, meta: Any) -> Any:
         """A graph output as the caller sees it: a bounded output becomes a view of its true
@@ -151,27 +154,41 @@ class CallPlan:
         return view
 
 
-def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int] = frozenset()) -> CallPlan:
+class SymbolicInputs:
+    """Where a graph's symbols stand among its inputs, read once from its input metas: the SymInt
+    inputs, and each tensor input's symbolic axes (the others keep their shapes at any size)."""
+
+    __slots__ = ("symints", "tensors")
+
+    def __init__(self, metas: Sequence[Any]) -> None:
+        self.symints = [(position, _expr(meta)) for position, meta in enumerate(metas) if isinstance(meta, torch.SymInt)]
+        self.tensors = []
+        for position, meta in enumerate(metas):
+            if isinstance(meta, torch.Tensor):
+                axes = tuple((axis, expr) for axis, size in enumerate(meta.shape) if (expr := _expr(size)) is not None)
+                if axes:
+                    self.tensors.append((position, axes))
+
+
+def plan_call(inputs: SymbolicInputs, args: Sequence[Any], written: frozenset[int] = frozenset()) -> CallPlan:
     """Bind the symbols of one call of a symbolic graph to this call's sizes, and find the
     bounded ones from the marked storages of its tensor arguments -- or, for a symbol no argument
     of a piece of a split graph marks (its inputs all made by eager ops), from the whole graph's
     call (`bounded_like`); `written`: the positions of the arguments the graph writes in place."""
-    policies = _marked_policies(metas, args)
+    policies = _marked_policies(inputs, args)
     sizes: dict = {}
     fixed: dict = {}
     symints: dict = {}
-    for position, (meta, arg) in enumerate(zip(metas, args)):
-        if isinstance(meta, torch.SymInt):
-            expr = symints[position] = _expr(meta)
-            if expr.is_Symbol:
-                fixed[expr] = int(arg)
-            continue
-        if not isinstance(meta, torch.Tensor) or not isinstance(arg, torch.Tensor):
-            continue
-        for axis, size in enumerate(meta.shape):
-            expr = _expr(size)
-            if expr is not None and expr.is_Symbol:
-                fixed[expr] = arg.shape[axis]
+    for position, expr in inputs.symints:
+        symints[position] = expr
+        if expr.is_Symbol:
+            fixed[expr] = int(args[position])
+    for position, axes in inputs.tensors:
+        arg = args[position]
+        if isinstance(arg, torch.Tensor):
+            for axis, expr in axes:
+                if expr.is_Symbol:
+                    fixed[expr] = arg.shape[axis]
     for symbol, policy in _inherited().items():
         if symbol in fixed:
             policies.setdefault(symbol, policy)
@@ -181,25 +198,25 @@ def plan_call(metas: Sequence[Any], args: Sequence[Any], written: frozenset[int]
         sizes[symbol] = fixed.pop(symbol)
     buckets = {symbol: policies[symbol].bucket(sizes[symbol]) for symbol in policies}
     symints = {p: e for p, e in symints.items() if e.free_symbols & buckets.keys()}
-    plan = CallPlan([], buckets, sizes, fixed, policies, symints)
-    plan.args = [
-        _padded_arg(plan, position, meta, arg, position in written)
-        for position, (meta, arg) in enumerate(zip(metas, args))
-    ]
+    plan = CallPlan(list(args), buckets, sizes, fixed, policies, symints)
+    for position, expr in symints.items():
+        plan.args[position] = _static(expr, plan.values)
+    for position, axes in inputs.tensors:
+        plan.args[position] = _padded_arg(plan, position, axes, args[position], position in written)
     return plan
 
 
-def _marked_policies(metas: Sequence[Any], args: Sequence[Any]) -> dict:
+def _marked_policies(inputs: SymbolicInputs, args: Sequence[Any]) -> dict:
     """The buckets of each bounded symbol, from the marked storages of the tensor arguments
     (`torchtpu.bounded`, a bounded graph's outputs); two marks of one symbol must agree."""
     policies: dict = {}
-    for position, (meta, arg) in enumerate(zip(metas, args)):
-        if not isinstance(meta, torch.Tensor) or not isinstance(arg, torch.Tensor):
+    for position, axes in inputs.tensors:
+        arg = args[position]
+        marks = bounds_of(arg) if isinstance(arg, torch.Tensor) else None
+        if not marks:
             continue
-        marks = bounds_of(arg)
-        for axis, size in enumerate(meta.shape):
-            expr = _expr(size)
-            if expr is None or axis not in marks:
+        for axis, expr in axes:
+            if axis not in marks:
                 continue
             for symbol in expr.free_symbols:
                 known = policies.setdefault(symbol, marks[axis])
@@ -220,25 +237,28 @@ def _inherited() -> dict:
 
 
 @contextlib.contextmanager
-def bounded_like(metas: Sequence[Any], args: Sequence[Any]) -> Iterator[None]:
+def bounded_like(inputs: SymbolicInputs, args: Sequence[Any]) -> Iterator[None]:
     """While a split graph (`split`) runs: its pieces take the graph's bounded symbols as
     bounded too. A piece whose inputs all come from eager ops between pieces (a host op's
     result, moved back) has no marked input of its own; without the graph's word it would
     compile a program for every size instead of every bucket."""
     previous = _inherited()
-    _bounded_calls.policies = {**previous, **_marked_policies(metas, args)}
+    _bounded_calls.policies = {**previous, **_marked_policies(inputs, args)}
     try:
         yield
     finally:
         _bounded_calls.policies = previous
 
 
-def _padded_arg(plan: CallPlan, position: int, meta: Any, arg: Any, written: bool) -> Any:
-    if position in plan.symints:
-        return _static(plan.symints[position], {**plan.fixed, **plan.buckets})
-    if not isinstance(arg, torch.Tensor) or not isinstance(meta, torch.Tensor):
+def _padded_arg(plan: CallPlan, position: int, axes: tuple, arg: Any, written: bool) -> Any:
+    """Tensor argument `position` (symbolic along `axes`) at its bucket sizes: a view of its
+    padded storage, or a padded copy where its storage ends at its true size."""
+    if not isinstance(arg, torch.Tensor):
         return arg
-    padded = plan.bucket_sizes(meta)
+    padded = list(arg.shape)
+    for axis, expr in axes:
+        padded[axis] = _static(expr, plan.values)
+    padded = tuple(padded)
     if padded == tuple(arg.shape):
         return arg
     buffer = storage.buffer_of(arg)

@@ -124,10 +124,8 @@ class CompiledGraph:
             node.meta.get("val") if isinstance(node, torch.fx.Node) else node
             for node in (output if isinstance(output, (list, tuple)) else (output,))
         ]
-        self.symbolic = any(
-            isinstance(m, torch.SymInt) or (isinstance(m, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in m.shape))
-            for m in self.input_metas
-        )
+        self.symbolic_inputs = bucketing.SymbolicInputs(self.input_metas)
+        self.symbolic = bool(self.symbolic_inputs.symints or self.symbolic_inputs.tensors)
         self.plans = opcall.plan_table()
         # Calls of known layouts are done from C++ (`fast_dispatch.graph_call`), as op calls are.
         plain = not (self.symbolic or self.host_written)
@@ -148,7 +146,7 @@ class CompiledGraph:
             if key is not None:
                 fast_dispatch.learn_graph(self.fast, key, call)
             return outs
-        buckets = bucketing.plan_call(self.input_metas, args, self.written)
+        buckets = bucketing.plan_call(self.symbolic_inputs, args, self.written)
         outs = self._write_host_inputs(args, submit(self._call(buckets.args, buckets)))
         for position, argument in self.aliases.items():
             outs[position] = args[argument]
@@ -315,10 +313,10 @@ def _compiler(kind: str):
                 "compiled piece(s)",
                 stacklevel=2,
             )
-        metas = [node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"]
+        inputs = bucketing.SymbolicInputs([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
 
         def run_split(*args: Any) -> Any:
-            with bucketing.bounded_like(metas, args):
+            with bucketing.bounded_like(inputs, args):
                 return outer.forward(*args)
 
         return make_boxed_func(run_split)

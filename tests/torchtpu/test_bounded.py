@@ -141,38 +141,24 @@ def test_without_bounds_a_new_shape_recompiles_and_the_log_says_which(monkeypatc
     assert "recompiling inference_graph" in err and "(a dynamic size) is 6 instead of 5" in err
 
 
-def test_a_bounded_graph_split_by_device_pads_what_the_host_returns():
+def _host_result_beside_the_input(x, scale):
+    h = torch.tanh(x * 2)
+    on_host = h.cpu() * scale
+    return h.sum(0) + on_host.to(x.device).mean(0)
+
+
+def _host_result_alone(x, scale):
+    on_host = torch.tanh(x * 2).cpu() * scale
+    return on_host.to(x.device).exp().sum(0) * 2
+
+
+@pytest.mark.parametrize("fn", [_host_result_beside_the_input, _host_result_alone])
+def test_a_bounded_graph_split_by_device_pads_what_the_host_returns(fn):
     """A compiled function whose bounded rows visit the host between two compiled pieces: the
     piece after the host op pads that op's (unpadded) result itself, and every size matches CPU
-    with one program per bucket and piece."""
-
-    def fn(x, scale):
-        h = torch.tanh(x * 2)
-        on_host = h.cpu() * scale
-        return h.sum(0) + on_host.to(x.device).mean(0)
-
-    compiled = torch.compile(fn, backend="tpu")
-    torch._dynamo.reset()
-    torchtpu.reset_metrics()
-    scale = torch.tensor(3.0)
-    for n in (3, 4, 2, 7, 5, 8, 6):  # buckets 2, 4, 8
-        x = torch.randn(n, 4)
-        torch.testing.assert_close(compiled(torchtpu.bounded(x, 0), scale).cpu(), fn(x, scale), msg=f"rows {n}")
-    metrics = torchtpu.metrics()
-    assert metrics["compiled_graphs_split"] >= 1
-    assert metrics["bounded_inputs_copied"] == 4  # the host op's result, for each n not a bucket
-    assert _graph_programs("inference_graph") <= 3 * 2
-
-
-def test_a_piece_whose_inputs_all_come_from_the_host_takes_the_graphs_bounds():
-    """The piece after the host op reads only the host op's result (no marked input of its own):
-    it takes the whole graph's bounded dimension, so it too compiles one program per bucket
-    (before, one per size: 7 here), and every size matches CPU."""
-
-    def fn(x, scale):
-        on_host = torch.tanh(x * 2).cpu() * scale
-        return on_host.to(x.device).exp().sum(0) * 2
-
+    with one program per bucket and piece -- also where that piece reads only the host op's
+    result, with no marked input of its own: it takes the whole graph's bounded dimension
+    (before, it compiled one program per size: 7 here)."""
     compiled = torch.compile(fn, backend="tpu")
     torch._dynamo.reset()
     torchtpu.reset_metrics()

@@ -161,10 +161,12 @@ class SymbolicInputs:
     __slots__ = ("symints", "tensors")
 
     def __init__(self, metas: Sequence[Any]) -> None:
-        self.symints = [(position, _expr(meta)) for position, meta in enumerate(metas) if isinstance(meta, torch.SymInt)]
+        self.symints = []
         self.tensors = []
         for position, meta in enumerate(metas):
-            if isinstance(meta, torch.Tensor):
+            if isinstance(meta, torch.SymInt):
+                self.symints.append((position, _expr(meta)))
+            elif isinstance(meta, torch.Tensor):
                 axes = tuple((axis, expr) for axis, size in enumerate(meta.shape) if (expr := _expr(size)) is not None)
                 if axes:
                     self.tensors.append((position, axes))

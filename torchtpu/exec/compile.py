@@ -313,7 +313,8 @@ def _compiler(kind: str):
                 "compiled piece(s)",
                 stacklevel=2,
             )
-        inputs = bucketing.SymbolicInputs([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
+        inputs = bucketing.SymbolicInputs([node.meta.get("val") for node in gm.graph.nodes
+                                           if node.op == "placeholder"])
 
         def run_split(*args: Any) -> Any:
             with bucketing.bounded_like(inputs, args):

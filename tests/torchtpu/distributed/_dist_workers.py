@@ -7,6 +7,7 @@ process training on the whole batches (the equivalence DDP promises).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -601,7 +602,7 @@ def tpu_only_group(rank: int, world: int) -> None:
     tensors (object collectives pick the group's one device type), barriers work. Destroyed, the
     group lets go of its gloo groups' threads though the caller still holds it."""
     torch.ones(1, device="tpu").cpu()  # the runtime's threads start before the count
-    threads = _threads()
+    before = threads()
     _init("tpu_dist")
     assert dist.get_backend_config() == "tpu:tpu_dist"
     _raises(RuntimeError, "serves tpu tensors only", dist.all_reduce, torch.ones(2))
@@ -614,11 +615,13 @@ def tpu_only_group(rank: int, world: int) -> None:
     dist.barrier()
     group = dist.group.WORLD
     dist.destroy_process_group()
-    assert _threads() <= threads, f"rank {rank}: {_threads() - threads} threads outlive the group {group}"
+    assert threads() <= before, f"rank {rank}: {threads() - before} threads outlive the group {group}"
 
 
-def _threads() -> int:
-    """The threads of this process (Python's and native ones: gloo's are native)."""
+def threads() -> int:
+    """The threads of this process (Python's and native ones: gloo's are native), counted after
+    a collection, so that no group left to the collector ends its threads mid-count."""
+    gc.collect()
     return len(os.listdir("/proc/self/task"))
 
 

@@ -3,31 +3,25 @@ directions share one gloo device, made from the same settings as gloo's own grou
 
 from __future__ import annotations
 
-import gc
-import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from _dist_workers import threads
 from torchtpu.distributed.pairwise import Pairwise
 
 _TIMEOUT = timedelta(seconds=30)
 
 
-def _threads() -> int:
-    gc.collect()  # a group an earlier test left to the collector must not end its threads mid-count
-    return len(os.listdir("/proc/self/task"))
-
-
 def test_both_directions_cost_the_threads_of_one_gloo_group():
-    before = _threads()
+    before = threads()
     pairwise = Pairwise(dist.HashStore(), 0, 1, _TIMEOUT)
-    ours = _threads() - before
-    before = _threads()
+    ours = threads() - before
+    before = threads()
     gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, _TIMEOUT)
-    one_group = _threads() - before
+    one_group = threads() - before
     # A gloo group has a transport thread and two workers; the pairwise groups share the
     # transport thread and have a worker each (a group of two devices would have had six threads).
     assert ours == one_group, f"the pairwise groups add {ours} threads, one gloo group {one_group}"

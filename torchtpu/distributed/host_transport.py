@@ -11,12 +11,12 @@ copied on our side:
   result into the donated memory, which stays the output's buffer -- in place, as gloo does with
   CPU tensors. This is how all_reduce runs without a copy (counted by `torchtpu.metrics()` as
   `dist_buffers_claimed`).
-- any other output receives into a pooled host buffer that then becomes the output's device
-  buffer (`memory.move_from_host`), or is copied into it when the output is a view. So does a
-  fresh `torch.empty` output (what TorchRec's all-to-alls write into every step): it has no
-  device buffer yet, and reading it would make one of zeros only to replace it. An
-  all_reduce of a tensor it cannot claim copies its value into that buffer first, since device
-  buffers are immutable.
+- any other output that covers its storage receives into a pooled device array that nothing
+  else holds, claimed as above, which then becomes its buffer (`ResultArrays`). So does a fresh
+  `torch.empty` output (what TorchRec's all-to-alls write into every step): it has no device
+  buffer yet, and reading it would make one of zeros only to replace it. An output that is a
+  view receives into a pooled host buffer that is then copied into it. An all_reduce of a tensor
+  it cannot claim copies its value into that memory first, since device buffers are immutable.
 
 All-to-alls move as point-to-point messages (`pairwise`), each peer's region straight from the
 input's memory into the output's.
@@ -27,16 +27,20 @@ the same output spends ~100-150 us before its messages are posted -- PyTorch's w
 pays it too), routing, checks and the guess ~12, reading the input ~30 (its DLPack export ~6),
 claiming the output ~40 (the donation's dispatch ~30) -- and ~25 after its data arrived; posting
 and moving the data take ~450-550 us against gloo's ~500-700 for the whole call. Into a new
-output the claim is replaced by a pooled receive buffer (~20-35) that becomes the output's
-device buffer (~25-80); making the output costs ~7 us alone on tpu (the fast path's factory)
-against ~1 on cpu. The slowest tenth of the calls stall for milliseconds while posting or
-waiting (~2.7 ms and more, against ~0.9 ms for gloo's slowest tenth), which medians hide and
-the benchmark's block means do not: posting a receive, ~50 us at the median, took 1-1.7 ms on
-average in those calls. Likely preemption: during an exchange each rank had three busy threads
-(the caller and both directions' transport threads) against gloo's two, on two cores. One group
-for both directions measured worse on means (1 MiB 0.66-0.92x against 0.76-0.86x); both
-directions' groups on one gloo device (one transport thread, `pairwise`) measured better in most
-runs.
+output a pooled device array is claimed instead (~45); making the output costs ~7 us alone on
+tpu (the fast path's factory) against ~1 on cpu. Before the pool, a new output received into a
+pooled host buffer (~33) that then became its device buffer by a DLPack import into JAX (~61,
+~7 alone), freed again when the output died (~10): the calls' medians went from ~655-780 us to
+~560-670 (gloo's ~620-640, whose new output costs page faults), and the benchmark's 1 MiB
+all-to-all into new outputs from 0.68-0.90x gloo to 0.94-1.13x.
+
+About a tenth of the calls stall for milliseconds, gloo's own as often as these (1,500 calls
+each at 1 MiB: 6-10% took over twice the median, ~3 ms on average, posting a message or waiting
+for one): medians hide them, the benchmark's block means do not, and they make most of the
+spread between its runs. Preemption on two cores, each rank with a caller and a transport
+thread busy. One gloo group for both directions measured worse on means (1 MiB 0.66-0.92x
+against 0.76-0.86x); both directions' groups on one gloo device (one transport thread,
+`pairwise`) measured better in most runs.
 
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.
@@ -134,16 +138,18 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
     return None if owned is None else _over(owned, t.shape)
 
 
-def _claimed(t: torch.Tensor):
+def _claimed(t: torch.Tensor, results: ResultArrays | None = None):
     """`claim`'s donated (and ready) array, not yet exported; None where there is none (a
-    never-written storage has no buffer, and is not read: that would make one of zeros)."""
+    never-written storage has no buffer, and is not read: that would make one of zeros). An
+    array that `results` handed out is held by it too."""
     if runtime.runtime().platform != "cpu":
         return None
     buffer = storage.buffer_of(t)
     if buffer.value is None or buffer.sharded or memory.to_array(t) is not buffer.value:
         return None
     _jax().collect_garbage()
-    if sys.getrefcount(buffer.value) > 2:  # held elsewhere too (the storage's reference, the argument)
+    # Held by nothing else than the storage, the argument (and the pool that handed it out).
+    if sys.getrefcount(buffer.value) > 2 + (results is not None and results.holds(buffer.value)):
         return None
     owned = _donate()(buffer.value)
     buffer.value = owned
@@ -158,6 +164,73 @@ def _donate():
     import jax
 
     return jax.jit(lambda flat: flat, donate_argnums=0)
+
+
+class ResultArrays:
+    """Device arrays that whole new outputs receive into, each reused once nothing but this pool
+    holds it.
+
+    A fresh output (`torch.empty`, what TorchRec's all-to-alls write into every step) has no
+    device buffer. Giving it a pooled host buffer costs an import into JAX per call, and its
+    release when the output dies; an array of this pool is claimed instead, as an output's own
+    buffer is (`claim`): JAX waits for the programs still reading it and, where host views of it
+    exist, copies. Its donated result aliases the same memory and takes its place here. An array
+    whose buffer a program took (donated, `is_deleted`) leaves the pool. Only exact sizes are
+    reused (a device buffer holds exactly its storage's elements), and each size compiles the
+    identity once; at most `per_size` arrays of a size and `max_bytes` in all are pooled, the
+    least recently used sizes forgotten first. CPU platform only (device memory is host memory).
+    `torchtpu.metrics()` counts reuses as `dist_results_reused`."""
+
+    def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20) -> None:
+        self._per_size = per_size
+        self._max_bytes = max_bytes
+        self._pooled = 0
+        self._pool: OrderedDict[tuple[int, torch.dtype, int], list] = OrderedDict()
+        self._ids: set[int] = set()  # of the pooled arrays, which the pool keeps alive
+
+    def holds(self, array) -> bool:
+        """Whether `array` is one of the pool's."""
+        return id(array) in self._ids
+
+    def take(self, numel: int, dtype: torch.dtype, index: int):
+        """A ready flat array of `numel` elements of `dtype` on device `index` that nothing else
+        holds or reads."""
+        key = (numel, dtype, index)
+        arrays = self._pool.setdefault(key, [])
+        self._pool.move_to_end(key)
+        _jax().collect_garbage()  # exports' references to arrays go at the runtime's collection
+        i = 0
+        while i < len(arrays):
+            array = arrays[i]
+            if array.is_deleted():  # a program took its buffer
+                self._drop(arrays, i, numel * dtype.itemsize)
+                continue
+            if sys.getrefcount(array) == 3:  # the pool's, `array`'s and the argument's
+                owned = _donate()(array)
+                self._ids.discard(id(array))
+                self._ids.add(id(owned))
+                arrays[i] = owned
+                owned.block_until_ready()
+                counters.count("dist_results_reused")
+                return owned
+            i += 1
+        array = memory.array_over_host(torch.empty(numel, dtype=dtype), index)
+        if len(arrays) < self._per_size:
+            arrays.append(array)
+            self._ids.add(id(array))
+            self._pooled += numel * dtype.itemsize
+            self._forget_oldest()
+        return array
+
+    def _drop(self, arrays: list, i: int, nbytes: int) -> None:
+        self._ids.discard(id(arrays.pop(i)))
+        self._pooled -= nbytes
+
+    def _forget_oldest(self) -> None:
+        while self._pooled > self._max_bytes and len(self._pool) > 1:
+            (numel, dtype, _), arrays = self._pool.popitem(last=False)
+            while arrays:
+                self._drop(arrays, 0, numel * dtype.itemsize)
 
 
 class ReceiveBuffers:
@@ -255,10 +328,12 @@ class _Staging:
 
     Each method keeps the buffer's owner and returns a `_borrowed` view of it for gloo."""
 
-    def __init__(self, buffers: ReceiveBuffers) -> None:
+    def __init__(self, buffers: ReceiveBuffers, results: ResultArrays | None = None) -> None:
         self.buffers = buffers
+        self.results = results
         self.held: list = []  # inputs and claimed outputs (or their exports), until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.adopted: list = []  # (output, pooled array that becomes its buffer)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s value that gloo reads: its device memory, where that is host
@@ -273,19 +348,28 @@ class _Staging:
 
     def update(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s value that gloo updates in place, the result ending in `t`."""
-        owned = _claimed(t)
+        owned = _claimed(t, self.results)
         if owned is not None:
             return self._lend(owned, t)
-        host = self.buffers.take(tuple(t.shape), t.dtype)
+        host = self._result_memory(t)
         copy_bytes(host, host_view(t))
-        self.moves.append((t, host))
-        return _borrowed(host)
+        return host
 
     def receive(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor that gloo writes, the result ending in `t`."""
-        owned = _claimed(t)
+        owned = _claimed(t, self.results)
         if owned is not None:
             return self._lend(owned, t)
+        return self._result_memory(t)
+
+    def _result_memory(self, t: torch.Tensor) -> torch.Tensor:
+        """Memory of `t`'s shape that gloo writes `t`'s result into: a pooled device array that
+        becomes `t`'s buffer where `t` fills its storage (and `results` were given), else a
+        pooled host buffer, copied into `t` (or made its buffer where possible) on delivery."""
+        if self.results is not None and t.numel() and memory.fills_storage(t):
+            array = self.results.take(t.numel(), t.dtype, t.device.index)
+            self.adopted.append((t, array))
+            return _borrowed_at(array.unsafe_buffer_pointer(), t.dtype, tuple(t.shape))
         host = self.buffers.take(tuple(t.shape), t.dtype)
         self.moves.append((t, host))
         return _borrowed(host)
@@ -306,6 +390,9 @@ class _Staging:
 
     def deliver(self) -> None:
         self.held.clear()
+        for dst, array in self.adopted:
+            storage.buffer_of(dst).value = array
+        self.adopted.clear()
         for dst, src in self.moves:
             memory.move_from_host(dst, src)
         self.moves.clear()
@@ -323,6 +410,7 @@ class HostTransport:
         self._pairwise = pairwise
         self._rank = rank
         self._buffers = ReceiveBuffers()
+        self._results = ResultArrays() if runtime.runtime().platform == "cpu" else None
         # Gloo holds only borrowed views: the staging of each launched collective stays here
         # until gloo reports it completed, even if its work is never waited on or its wait fails.
         self._in_flight: list[tuple[dist.Work | PairwiseWork, _Staging]] = []
@@ -344,36 +432,36 @@ class HostTransport:
         return TpuWork(collective, self._rank, complete, result, source_rank)
 
     def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         return self._launch("all_reduce", s, self._gloo.allreduce([s.update(t) for t in tensors], opts), tensors)
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         root = opts.rootTensor if self._rank == opts.rootRank else None
         source = s.read(tensors[root]) if root is not None else None
         host = [source if i == root else s.receive(t) for i, t in enumerate(tensors)]
         return self._launch("broadcast", s, self._gloo.broadcast(host, opts), tensors)
 
     def allgather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.AllgatherOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         host_in = [s.read(t) for t in inputs]
         work = self._gloo.allgather([[s.receive(t) for t in group] for group in outputs], host_in, opts)
         return self._launch("all_gather", s, work, [t for group in outputs for t in group])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         host_in = s.read(input)
         work = self._gloo._allgather_base(s.receive(output), host_in, opts)
         return self._launch("all_gather_into_tensor", s, work, [output])
 
     def reduce_scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ReduceScatterOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         host_in = [[s.read(t) for t in group] for group in inputs]
         work = self._gloo.reduce_scatter([s.receive(t) for t in outputs], host_in, opts)
         return self._launch("reduce_scatter", s, work, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         host_in = s.read(input)
         work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
@@ -381,7 +469,7 @@ class HostTransport:
     def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                                 sizes: ExchangeSizes) -> Callable[[], TpuWork]:
         """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         send, recv = sizes.splits(self._rank)
         host_in = _regions(s.read(input), send)
         host_out = _regions(s.receive(output), recv)
@@ -394,20 +482,20 @@ class HostTransport:
     def alltoall(self, outputs: Tensors, inputs: Tensors, sizes: ExchangeSizes) -> TpuWork:
         """The list form: tensor j goes to rank j, each straight from and into its own buffer
         (`sizes`, agreed, are those of the tensors)."""
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         host_in = [s.read(t) for t in inputs]
         work = self._pairwise.exchange([s.receive(t) for t in outputs], host_in)
         return self._launch("all_to_all", s, work, outputs)
 
     def send(self, tensors: Tensors, dst: int, tag: int) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         return self._launch("send", s, self._gloo.send([s.read(t) for t in tensors], dst, tag), tensors)
 
     def recv(self, tensors: Tensors, src: int, tag: int) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         return self._launch("recv", s, self._gloo.recv([s.receive(t) for t in tensors], src, tag), tensors)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> TpuWork:
-        s = _Staging(self._buffers)
+        s = _Staging(self._buffers, self._results)
         work = self._gloo.recv_anysource([s.receive(t) for t in tensors], tag)
         return self._launch("recv", s, work, tensors, any_source=True)

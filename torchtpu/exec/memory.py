@@ -240,18 +240,22 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return execute(aten.copy_.default, (dst, src, non_blocking), {})
 
 
-def _fills_whole(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """dst is contiguous over all of its storage, with no math bits, and src has its shape: the
-    copy replaces it."""
-    buffer = storage.buffer_of(dst)
+def fills_storage(t: torch.Tensor) -> bool:
+    """`t` is contiguous over all of its storage, in its storage's dtype, with no math bits:
+    writing it replaces its buffer."""
+    buffer = storage.buffer_of(t)
     return (
-        dst.shape == src.shape
-        and not (dst.is_conj() or dst.is_neg())
-        and dst.dtype == buffer.dtype
-        and dst.storage_offset() == 0
-        and dst.is_contiguous()
-        and dst.numel() == buffer.numel
+        not (t.is_conj() or t.is_neg())
+        and t.dtype == buffer.dtype
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() == buffer.numel
     )
+
+
+def _fills_whole(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst fills its storage (`fills_storage`) and src has its shape: the copy replaces it."""
+    return dst.shape == src.shape and fills_storage(dst)
 
 
 def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The host transport's buffers, in one process: inputs are views of device memory, results
-become device memory without a copy, a result buffer is reused only when nothing uses it, and a
-claimed output is written in its own buffer only when no one else can see that memory."""
+become device memory without a copy, a result buffer or pooled result array is reused only when
+nothing uses it, and a claimed output is written in its own buffer only when no one else can see
+that memory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from torchtpu.distributed.host_transport import ReceiveBuffers, _borrowed, _Staging, claim, host_view
+import torchtpu
+from torchtpu.distributed.host_transport import (
+    ReceiveBuffers,
+    ResultArrays,
+    _borrowed,
+    _claimed,
+    _Staging,
+    claim,
+    host_view,
+)
 from torchtpu.exec import memory
 
 
@@ -131,3 +141,99 @@ def test_a_never_written_output_is_received_without_reading_it(monkeypatch):
     monkeypatch.undo()
     assert not reads
     assert out.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def _received(out: torch.Tensor, value: torch.Tensor, results: ResultArrays) -> int:
+    """Receive `value` into `out` as a collective does (gloo's part played by a copy); the
+    address gloo wrote."""
+    staging = _Staging(ReceiveBuffers(), results)
+    host = staging.receive(out)
+    host.copy_(value)
+    staging.deliver()
+    return host.data_ptr()
+
+
+def _reused() -> int:
+    return torchtpu.metrics().get("dist_results_reused", 0)
+
+
+def test_a_new_output_receives_into_a_pooled_array_reused_once_the_output_is_gone():
+    results = ResultArrays()
+    out = torch.empty(4, 3, device="tpu:0")
+    written = _received(out, torch.arange(12.0).reshape(4, 3), results)
+    assert _address(out) == written  # gloo wrote the output's own device buffer
+    assert out.cpu().tolist() == torch.arange(12.0).reshape(4, 3).tolist()
+    del out
+    before = _reused()
+    again = torch.empty(2, 6, device="tpu:0")  # another shape of as many elements
+    reused = _received(again, -torch.ones(2, 6), results)  # JAX copies an imported buffer once ...
+    assert _address(again) == reused
+    assert again.cpu().tolist() == (-torch.ones(2, 6)).tolist()
+    del again
+    third = torch.empty(12, device="tpu:0")
+    assert _received(third, torch.ones(12), results) == reused  # ... and from then on aliases it
+    assert _reused() == before + 2
+    assert third.cpu().tolist() == [1.0] * 12
+
+
+def test_a_pooled_array_is_never_written_while_anything_still_reads_it():
+    results = ResultArrays(per_size=8)
+    n = 1 << 20
+
+    def new(value: float) -> torch.Tensor:
+        out = torch.empty(n, device="tpu:0")
+        _received(out, torch.full((n,), value), results)
+        return out
+
+    view = new(1.0)[10:20]  # a view keeps its storage, and so the array
+    held = memory.to_numpy(new(2.0))  # a host view of a buffer whose output is gone
+    out = new(3.0)
+    total = (out * 2).sum()  # dispatched asynchronously: may still be reading the array
+    del out
+    for value in (4.0, 5.0, 6.0):
+        new(value)  # reuses what it may, and overwrites it
+    assert view.cpu().tolist() == [1.0] * 10
+    assert np.all(held == 2.0)
+    assert total.item() == 6.0 * n
+
+
+def test_an_array_a_program_took_leaves_the_pool():
+    results = ResultArrays()
+    with torchtpu.eager_mode("strict"):  # in place, a program takes (donates) its input's buffer
+        out = torch.empty(6, device="tpu:0")
+        _received(out, torch.arange(6.0), results)
+        out.add_(1)
+        assert out.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        del out
+        again = torch.empty(6, device="tpu:0")
+        _received(again, torch.ones(6), results)
+        assert again.cpu().tolist() == [1.0] * 6
+
+
+def test_an_output_holding_a_pooled_array_is_claimed_only_where_the_pool_is_known():
+    results = ResultArrays()
+    out = torch.empty(8, device="tpu:0")
+    _received(out, torch.arange(8.0), results)
+    assert claim(out) is None  # for a caller unaware of the pool, it holds the array too
+    assert _claimed(out, results) is not None
+    assert out.cpu().tolist() == list(map(float, range(8)))
+
+
+def test_the_pool_keeps_at_most_its_bounds():
+    results = ResultArrays(per_size=1, max_bytes=1 << 11)
+    first, second = torch.empty(256, device="tpu:0"), torch.empty(256, device="tpu:0")
+    a = _received(first, torch.zeros(256), results)
+    b = _received(second, torch.ones(256), results)  # the pooled array is in use: a new one, not pooled
+    assert a != b
+    del first, second
+    gc.collect()
+    before = _reused()
+    third = torch.empty(256, device="tpu:0")
+    _received(third, torch.ones(256), results)
+    assert _reused() == before + 1
+    small = torch.empty(512, device="tpu:0")  # a second size goes over max_bytes: the first is forgotten
+    _received(small, torch.zeros(512), results)
+    del third
+    fourth = torch.empty(256, device="tpu:0")
+    _received(fourth, torch.ones(256), results)
+    assert _reused() == before + 1

@@ -1,7 +1,7 @@
 """Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
 
     python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters N] [--trials 7]
-                                     [--seconds 1.0]
+                                     [--seconds 5.0]
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
 Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
@@ -14,10 +14,14 @@ for a scheduler tick now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-a
 such stall could decide a block of ten 1 MiB calls. Each size runs at least `--trials` trials,
 and more where blocks are short, so that each side's timed blocks last about `--seconds` in all
 (estimated from one untimed gloo block; the ranks agree on the largest count): a 1 MiB block
-lasts ~20-30 ms against ~0.3-0.6 s at 64 MiB, and seven of them left the 1 MiB ratio swinging
-between runs as much as gloo's own bandwidth does (0.37-0.66 GB/s). The count follows only the
-block's length, never the ratio. Reported: the median block of each side as bus bandwidth, and
-the median over trials of the ratio within a trial (tpu_dist / gloo). Bus
+lasts ~20-30 ms against ~0.3-0.6 s at 64 MiB. About a tenth of the calls stall (~3 ms, gloo's
+as often as tpu_dist's), so a block of thirty 1 MiB calls holds a few stalls more or less from
+trial to trial and the ratio within a trial spreads by ~+-20%: with seven trials the 1 MiB ratio
+swung between runs as much as gloo's own bandwidth does (0.37-0.66 GB/s), with ~1 s of blocks
+(10-60 trials) by ~+-0.1; the default ~5 s (up to 200 trials) brings it to a few hundredths.
+The count follows only the block's length, never the ratio. Reported: the median block of each
+side as bus bandwidth, the median over trials of the ratio within a trial (tpu_dist / gloo),
+and the quartiles of those ratios, the spread of a single trial's ratio. Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
 (n-1)/n. The all-to-alls run twice: into the same output every call, and into a new output each
 call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the backend itself should
@@ -128,19 +132,23 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
                     tensors, group = sides[side]
                     times[side].append(_time_block(collective, tensors, group, gloo, block_calls))
             bus = bus_factor(world) * numel * 4 / 1e9
-            ratio = statistics.median(g / t for g, t in zip(times["gloo"], times["tpu_dist"]))
+            ratios = [g / t for g, t in zip(times["gloo"], times["tpu_dist"])]
+            ratio = statistics.median(ratios)
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
             rows.append((name, mib, count, bus / statistics.median(times["gloo"]),
-                         bus / statistics.median(times["tpu_dist"]), ratio))
+                         bus / statistics.median(times["tpu_dist"]), ratio, q1, q3))
     if rank == 0:
         load_after = os.getloadavg()
         calls = ", ".join(f"{_block_calls(mib, iters)} at {mib} MiB" for mib in sizes_mib)
         print(f"world size {world}; trials of a block of calls per side ({calls}), at least {trials} and "
               f"~{seconds:g} s of blocks per side; bus bandwidth in GB/s (median block); ratio = median over "
-              f"trials of tpu_dist / gloo")
+              f"trials of tpu_dist / gloo, with the quartiles of the trials' ratios")
         print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-        print(f"{'collective':<20} {'MiB':>5} {'trials':>6} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7}")
-        for name, mib, count, gloo_bw, tpu_bw, ratio in rows:
-            print(f"{name:<20} {mib:>5} {count:>6} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f}")
+        print(f"{'collective':<20} {'MiB':>5} {'trials':>6} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7} "
+              f"{'quartiles':>11}")
+        for name, mib, count, gloo_bw, tpu_bw, ratio, q1, q3 in rows:
+            print(f"{name:<20} {mib:>5} {count:>6} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f} "
+                  f"{q1:>5.2f}-{q3:.2f}")
     dist.destroy_process_group()
 
 
@@ -150,7 +158,7 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--iters", type=int, default=None, help="calls per timed block (default: >= 10, >= 32 MiB)")
     parser.add_argument("--trials", type=int, default=7, help="trials per size, at least")
-    parser.add_argument("--seconds", type=float, default=1.0,
+    parser.add_argument("--seconds", type=float, default=5.0,
                         help="timed blocks per side and size, about (more trials where blocks are short)")
     args = parser.parse_args()
     with socket.socket() as s:

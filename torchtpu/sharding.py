@@ -85,33 +85,22 @@ def replicated(value: "jax.Array") -> "jax.Array":
 
 
 def _flat(array: "jax.Array") -> "jax.Array":
-    """`array` as the flat buffer of a sharded tensor (`flat_sharding`).
-
-    Where its rows are already split over the mesh, each device reshapes its own block: programs
-    of one device each, never one spanning the mesh. The prefetching loader makes sharded tensors
-    on its own thread while the step launches mesh-wide programs on another, and two threads
-    launching mesh-wide programs at once deadlocked XLA:CPU whatever its thread pool (measured;
-    its source suggests the second program's per-device launches can take a device's last slots
-    for programs in flight before the first program's, which then waits for a slot held by
-    programs queued behind it). Other arrays are resharded by one mesh-wide program."""
+    """`array` as the flat buffer of a sharded tensor (`flat_sharding`): each device reshapes its
+    own block of rows -- programs of one device each, never one spanning the mesh. The
+    prefetching loader makes sharded tensors on its own thread while the step launches mesh-wide
+    programs on another, and two threads launching mesh-wide programs at once deadlocked XLA:CPU
+    whatever its thread pool (measured; its source suggests the second program's per-device
+    launches can take a device's last slots for programs in flight before the first program's,
+    which then waits for a slot held by programs queued behind it). An array whose rows are not
+    split over the mesh so (on one device, replicated) first moves them there (`jax.device_put`:
+    copies between devices). All of the mesh's devices must be this process's."""
     import jax
 
     target = flat_sharding()  # rows of the flat buffer over the mesh: P(AXIS) for any rank
-    if array.sharding.is_equivalent_to(target, array.ndim):
-        blocks = [shard.data.reshape(-1) for shard in array.addressable_shards]
-        return jax.make_array_from_single_device_arrays((array.size,), target, blocks)
-    return _flatten(target.mesh)(array)
-
-
-@functools.lru_cache(maxsize=None)
-def _flatten(mesh: "Mesh"):
-    """The reshape of a row-sharded array into a sharded tensor's flat buffer, jitted once (per
-    shape, by jit's own cache) rather than per call."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    return jax.jit(lambda a: a.reshape(-1), out_shardings=NamedSharding(mesh, P(AXIS)))
+    if not array.sharding.is_equivalent_to(target, array.ndim):
+        array = jax.device_put(array, target)
+    blocks = [shard.data.reshape(-1) for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays((array.size,), target, blocks)
 
 
 def _check_rows(shape: tuple[int, ...], what: str) -> None:
@@ -124,7 +113,8 @@ def _check_rows(shape: tuple[int, ...], what: str) -> None:
 
 
 def from_jax(array: "jax.Array") -> torch.Tensor:
-    """A sharded `tpu` tensor that takes ownership of `array` (sharded by rows over `mesh()`).
+    """A sharded `tpu` tensor that takes ownership of `array`, whose rows are split over `mesh()`
+    (or are moved there first: an array on one device, or replicated).
 
     `array` must not be used after the call: in-place ops donate the tensor's buffer."""
     _check_rows(tuple(array.shape), "from_jax")
@@ -183,10 +173,10 @@ def shard(tensor: torch.Tensor) -> torch.Tensor:
     from torchtpu.exec import memory
 
     _check_rows(tuple(tensor.shape), "shard")
-    if tensor.device.type == "tpu":
+    if tensor.device.type == "tpu" and runtime.runtime().process_count == 1:
         flat = _flat(memory.to_array(tensor))
-    else:
-        host = memory.torch_to_numpy(tensor)
+    else:  # each process keeps its own rows, as it holds only its own devices
+        host = memory.torch_to_numpy(tensor.cpu())
         rows = host.shape[0] // len(mesh_devices())
         first, count = _local_positions()
         flat = _flat_from_local(host[first * rows : (first + count) * rows], tuple(tensor.shape))

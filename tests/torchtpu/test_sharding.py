@@ -35,6 +35,27 @@ def test_ops_keep_rows_sharded_and_mix_with_device_tensors(x, mode):
         assert float(s.sum()) == pytest.approx(float((x * 2).sum()), rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.parametrize("home", ["tpu:0", "tpu:1"])
+def test_shard_of_a_tpu_tensor_moves_its_rows_to_their_devices(x, home):
+    s = sharding.shard(x.to(home))
+    assert torch.equal(s.cpu(), x)
+    assert sharding.to_jax(s).sharding.spec == sharding.flat_sharding().spec
+    blocks = sharding.local_shards(s)
+    assert [row for row, _ in blocks] == [row for row, _ in sharding.local_shards(sharding.shard(x))]
+    assert torch.equal(torch.cat([b for _, b in blocks]), x)
+
+
+def test_from_jax_takes_an_array_on_one_device_or_replicated(x):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    for array in (jax.device_put(x.numpy(), sharding.mesh_devices()[1]),
+                  jax.device_put(x.numpy(), NamedSharding(sharding.mesh(), P()))):
+        t = sharding.from_jax(array)
+        assert torch.equal(t.cpu(), x)
+        assert sharding.to_jax(t).sharding.spec == sharding.flat_sharding().spec
+
+
 def test_from_jax_takes_a_global_array(x):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -166,6 +166,9 @@ def _donate():
     return jax.jit(lambda flat: flat, donate_argnums=0)
 
 
+_SIZES_COUNTED = 1024  # sizes whose requests `ResultArrays` counts before pooling them (forgotten all at once)
+
+
 class ResultArrays:
     """Device arrays that whole new outputs receive into, each reused once nothing but this pool
     holds it.
@@ -177,13 +180,18 @@ class ResultArrays:
     exist, copies. Its donated result aliases the same memory and takes its place here. An array
     whose buffer a program took (donated, `is_deleted`) leaves the pool. Only exact sizes are
     reused (a device buffer holds exactly its storage's elements), and each size compiles the
-    identity once; at most `per_size` arrays of a size and `max_bytes` in all are pooled, the
-    least recently used sizes forgotten first. CPU platform only (device memory is host memory).
-    `torchtpu.metrics()` counts reuses as `dist_results_reused`."""
+    identity once (~10-20 ms), so a size is pooled only once it was asked for `recurring` times:
+    every step's outputs are, while sizes that come and go (an all-to-all of varying splits)
+    take a fresh array each time, as before the pool, and neither compile nor stay pooled. At
+    most `per_size` arrays of a size and `max_bytes` in all are pooled, the least recently used
+    sizes forgotten first. CPU platform only (device memory is host memory). `torchtpu.metrics()`
+    counts reuses as `dist_results_reused`."""
 
-    def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20, recurring: int = 3) -> None:
         self._per_size = per_size
         self._max_bytes = max_bytes
+        self._recurring = recurring
+        self._asked: dict[tuple[int, torch.dtype, int], int] = {}  # times each size not yet pooled was asked for
         self._pooled = 0
         self._pool: OrderedDict[tuple[int, torch.dtype, int], list] = OrderedDict()
         self._ids: set[int] = set()  # of the pooled arrays, which the pool keeps alive
@@ -196,7 +204,16 @@ class ResultArrays:
         """A ready flat array of `numel` elements of `dtype` on device `index` that nothing else
         holds or reads."""
         key = (numel, dtype, index)
-        arrays = self._pool.setdefault(key, [])
+        arrays = self._pool.get(key)
+        if arrays is None:
+            asked = self._asked.get(key, 0) + 1
+            if asked < self._recurring:
+                if len(self._asked) >= _SIZES_COUNTED:
+                    self._asked.clear()
+                self._asked[key] = asked
+                return _fresh_array(numel, dtype, index)
+            self._asked.pop(key, None)
+            arrays = self._pool[key] = []
         self._pool.move_to_end(key)
         _jax().collect_garbage()  # exports' references to arrays go at the runtime's collection
         i = 0
@@ -214,7 +231,7 @@ class ResultArrays:
                 counters.count("dist_results_reused")
                 return owned
             i += 1
-        array = memory.array_over_host(torch.empty(numel, dtype=dtype), index)
+        array = _fresh_array(numel, dtype, index)
         if len(arrays) < self._per_size:
             arrays.append(array)
             self._ids.add(id(array))
@@ -231,6 +248,11 @@ class ResultArrays:
             (numel, dtype, _), arrays = self._pool.popitem(last=False)
             while arrays:
                 self._drop(arrays, 0, numel * dtype.itemsize)
+
+
+def _fresh_array(numel: int, dtype: torch.dtype, index: int):
+    """A new flat array on CPU-platform device `index`, over new host memory."""
+    return memory.array_over_host(torch.empty(numel, dtype=dtype), index)
 
 
 class ReceiveBuffers:

@@ -158,7 +158,7 @@ def _reused() -> int:
 
 
 def test_a_new_output_receives_into_a_pooled_array_reused_once_the_output_is_gone():
-    results = ResultArrays()
+    results = ResultArrays(recurring=1)
     out = torch.empty(4, 3, device="tpu:0")
     written = _received(out, torch.arange(12.0).reshape(4, 3), results)
     assert _address(out) == written  # gloo wrote the output's own device buffer
@@ -177,7 +177,7 @@ def test_a_new_output_receives_into_a_pooled_array_reused_once_the_output_is_gon
 
 
 def test_a_pooled_array_is_never_written_while_anything_still_reads_it():
-    results = ResultArrays(per_size=8)
+    results = ResultArrays(per_size=8, recurring=1)
     n = 1 << 20
 
     def new(value: float) -> torch.Tensor:
@@ -198,7 +198,7 @@ def test_a_pooled_array_is_never_written_while_anything_still_reads_it():
 
 
 def test_an_array_a_program_took_leaves_the_pool():
-    results = ResultArrays()
+    results = ResultArrays(recurring=1)
     with torchtpu.eager_mode("strict"):  # in place, a program takes (donates) its input's buffer
         out = torch.empty(6, device="tpu:0")
         _received(out, torch.arange(6.0), results)
@@ -211,7 +211,7 @@ def test_an_array_a_program_took_leaves_the_pool():
 
 
 def test_an_output_holding_a_pooled_array_is_claimed_only_where_the_pool_is_known():
-    results = ResultArrays()
+    results = ResultArrays(recurring=1)
     out = torch.empty(8, device="tpu:0")
     _received(out, torch.arange(8.0), results)
     assert claim(out) is None  # for a caller unaware of the pool, it holds the array too
@@ -220,7 +220,7 @@ def test_an_output_holding_a_pooled_array_is_claimed_only_where_the_pool_is_know
 
 
 def test_the_pool_keeps_at_most_its_bounds():
-    results = ResultArrays(per_size=1, max_bytes=1 << 11)
+    results = ResultArrays(per_size=1, max_bytes=1 << 11, recurring=1)
     first, second = torch.empty(256, device="tpu:0"), torch.empty(256, device="tpu:0")
     a = _received(first, torch.zeros(256), results)
     b = _received(second, torch.ones(256), results)  # the pooled array is in use: a new one, not pooled
@@ -237,3 +237,15 @@ def test_the_pool_keeps_at_most_its_bounds():
     fourth = torch.empty(256, device="tpu:0")
     _received(fourth, torch.ones(256), results)
     assert _reused() == before + 1
+
+
+def test_only_sizes_that_recur_are_pooled():
+    results = ResultArrays()  # a size is pooled once asked for a third time
+
+    def received_and_gone() -> int:
+        before = _reused()
+        _received(torch.empty(32, device="tpu:0"), torch.ones(32), results)
+        gc.collect()
+        return _reused() - before
+
+    assert [received_and_gone() for _ in range(5)] == [0, 0, 0, 1, 1]

@@ -18,8 +18,11 @@ lasts ~20-30 ms against ~0.3-0.6 s at 64 MiB. About a tenth of the calls stall (
 as often as tpu_dist's), so a block of thirty 1 MiB calls holds a few stalls more or less from
 trial to trial and the ratio within a trial spreads by ~+-20%: with seven trials the 1 MiB ratio
 swung between runs as much as gloo's own bandwidth does (0.37-0.66 GB/s), with ~1 s of blocks
-(10-60 trials) by ~+-0.1; the default ~5 s (up to 200 trials) brings it to a few hundredths.
-The count follows only the block's length, never the ratio. Reported: the median block of each
+(10-60 trials) by ~+-0.1. The default ~5 s (up to 200 trials) pins the median of a run down,
+yet from run to run the 1 MiB ratio still moves by ~+-0.1 (0.83-1.10 over four runs of one
+commit): the host's load changes between runs, and tpu_dist spends more CPU per call than gloo
+(~0.1-0.15 ms of ~0.7), which costs more when the cores are busier. Larger sizes stay within a
+few hundredths of their mean. The count follows only the block's length, never the ratio. Reported: the median block of each
 side as bus bandwidth, the median over trials of the ratio within a trial (tpu_dist / gloo),
 and the quartiles of those ratios, the spread of a single trial's ratio. Bus
 bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all

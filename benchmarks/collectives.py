@@ -5,32 +5,32 @@
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
 Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
-tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors. After a warm-up
-of both, each trial times one block of `iters` calls of each side back to back, the side that
-goes first alternating between trials, so that the shared machine's load falls on both alike;
-every block starts and ends with the same gloo barrier. A block has at least 10 calls and moves
-at least 32 MiB (`--iters` sets its calls instead): on a shared 2-core host single calls stall
-for a scheduler tick now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-all), and one
-such stall could decide a block of ten 1 MiB calls. Each size runs at least `--trials` trials,
-and more where blocks are short, so that each side's timed blocks last about `--seconds` in all
-(estimated from one untimed gloo block; the ranks agree on the largest count): a 1 MiB block
-lasts ~20-30 ms against ~0.3-0.6 s at 64 MiB. About a tenth of the calls stall (~3 ms, gloo's
-as often as tpu_dist's), so a block of thirty 1 MiB calls holds a few stalls more or less from
-trial to trial and the ratio within a trial spreads by ~+-20%: with seven trials the 1 MiB ratio
-swung between runs as much as gloo's own bandwidth does (0.37-0.66 GB/s), with ~1 s of blocks
-(10-60 trials) by ~+-0.1. The default ~5 s (up to 200 trials) pins the median of a run down,
-yet from run to run the 1 MiB ratio still moves by ~+-0.1 (0.83-1.10 over four runs of one
-commit): the host's load changes between runs, and tpu_dist spends more CPU per call than gloo
-(~0.1-0.15 ms of ~0.7), which costs more when the cores are busier. Larger sizes stay within a
-few hundredths of their mean. The count follows only the block's length, never the ratio. Reported: the median block of each
-side as bus bandwidth, the median over trials of the ratio within a trial (tpu_dist / gloo),
-and the quartiles of those ratios, the spread of a single trial's ratio. Bus
-bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all
-(n-1)/n. The all-to-alls run twice: into the same output every call, and into a new output each
-call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the backend itself should
-add next to nothing to the transport it runs on. (One thing it adds on purpose: before an
-all-to-all every rank's sizes are agreed -- a small point-to-point message to each peer, skipped
-while sizes repeat -- so that mismatched splits raise instead of hanging; gloo checks nothing.)
+tensors (a plain `dist.new_group(backend="gloo")`) and tpu_dist on tpu tensors. After a warm-up of
+both, each trial times one block of `iters` calls of each side back to back, the side that goes
+first alternating between trials, so that the shared machine's load falls on both alike; every block
+starts and ends with the same gloo barrier. A block has at least 10 calls and moves at least 32 MiB
+(`--iters` sets its calls instead): on a shared 2-core host single calls stall for a scheduler tick
+now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-all), and one such stall could decide a
+block of ten 1 MiB calls. Each size runs at least `--trials` trials, and more where blocks are
+short, so that each side's timed blocks last about `--seconds` in all (estimated from one untimed
+gloo block; the ranks agree on the largest count): a 1 MiB block lasts ~20-30 ms against ~0.3-0.6 s
+at 64 MiB. About a tenth of the calls stall (~3 ms, gloo's as often as tpu_dist's), so a block of
+thirty 1 MiB calls holds a few stalls more or less from trial to trial and the ratio within a trial
+spreads by ~+-20%: with seven trials the 1 MiB ratio swung between runs as much as gloo's own
+bandwidth does (0.37-0.66 GB/s), with ~1 s of blocks (10-60 trials) by ~+-0.1. The default ~5 s (up
+to 200 trials) pins the median of a run down, yet from run to run the 1 MiB ratio still moves by
+~+-0.1 (0.83-1.10 over four runs of this code): the host's load changes between runs, and tpu_dist
+spends more CPU per call than gloo (~0.1-0.15 ms of ~0.7), which costs more when the cores are
+busier. From 4 MiB on the ratios moved less (0.91-1.14 over the same runs). The count follows only
+the block's length, never the ratio. Reported: the median block of each side as bus bandwidth, the
+median over trials of the ratio within a trial (tpu_dist / gloo), and the quartiles of those ratios,
+the spread of a single trial's ratio. Bus bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of
+the buffer per rank, all_to_all (n-1)/n. The all-to-alls run twice: into the same output every call,
+and into a new output each call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the
+backend itself should add next to nothing to the transport it runs on. (One thing it adds on
+purpose: before an all-to-all every rank's sizes are agreed -- a small point-to-point message to
+each peer, skipped while sizes repeat -- so that mismatched splits raise instead of hanging; gloo
+checks nothing.)
 """
 
 from __future__ import annotations

@@ -71,15 +71,15 @@ def test_independent_collective_programs_finish(tmp_path, given):
 
 def test_from_jax_launches_no_mesh_wide_program(monkeypatch):
     """Rows already split over the mesh are flattened device by device (bit for bit); only other
-    layouts take the mesh-wide reshape."""
-    mesh_wide = []
-    reshape = sharding._flatten(sharding.mesh())
-    monkeypatch.setattr(sharding, "_flatten", lambda mesh: (lambda a: (mesh_wide.append(a.shape), reshape(a))[1]))
+    layouts move through the mesh first (`jax.device_put` to the flat sharding)."""
+    moved = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: (moved.append(x.shape), device_put(x, *a, **k))[1])
     devices = len(sharding.mesh_devices())
     values = np.arange(devices * 6, dtype=np.float32).reshape(devices * 2, 3)
-    split = jax.device_put(jnp.asarray(values), NamedSharding(sharding.mesh(), P(sharding.AXIS)))
+    split = device_put(jnp.asarray(values), NamedSharding(sharding.mesh(), P(sharding.AXIS)))
     assert torch.equal(sharding.from_jax(split).cpu(), torch.from_numpy(values))
-    assert mesh_wide == []
-    replicated = jax.device_put(jnp.asarray(values), NamedSharding(sharding.mesh(), P()))
+    assert moved == []
+    replicated = device_put(jnp.asarray(values), NamedSharding(sharding.mesh(), P()))
     assert torch.equal(sharding.from_jax(replicated).cpu(), torch.from_numpy(values))
-    assert mesh_wide == [values.shape]
+    assert moved == [values.shape]

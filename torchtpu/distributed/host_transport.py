@@ -256,10 +256,12 @@ def _fresh_array(numel: int, dtype: torch.dtype, index: int):
 
 
 class ReceiveBuffers:
-    """Host buffers that results arrive in, reused once their device arrays are gone.
+    """Host buffers that results arrive in, reused once their device arrays are gone: the
+    results of outputs that are views (copied into them), and every result off the CPU platform
+    (where device memory is not host memory) or without `ResultArrays`.
 
-    A result buffer becomes its output's device buffer, so it cannot be reused while any device
-    array (or a host view of one) still uses it. Each buffer handed out is a view of a pooled
+    A result buffer may become its output's device buffer (`memory.move_from_host`), so it cannot
+    be reused while any device array (or a host view of one) still uses it. Each buffer handed out is a view of a pooled
     allocation; the view, and the DLPack export of it, hold references to the allocation's
     storage, so its use count is back to its value at allocation exactly when the last user has
     let go. Reusing allocations matters: fresh pages cost the kernel more to map and zero than

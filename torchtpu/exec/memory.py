@@ -87,8 +87,7 @@ def to_array(t: torch.Tensor):
     conj, neg = t.is_conj(), t.is_neg()
     # A tensor that is contiguous and covers its whole storage (the common case; host reads of
     # collectives pay this check per call) reads the storage's own buffer.
-    whole = t.dtype == buffer.dtype and t.numel() == buffer.numel and t.storage_offset() == 0 and t.is_contiguous()
-    if whole and value is not None and not (conj or neg):
+    if value is not None and not (conj or neg) and _covers(t, buffer):
         return value
     import jax
 
@@ -243,14 +242,12 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
 def fills_storage(t: torch.Tensor) -> bool:
     """`t` is contiguous over all of its storage, in its storage's dtype, with no math bits:
     writing it replaces its buffer."""
-    buffer = storage.buffer_of(t)
-    return (
-        not (t.is_conj() or t.is_neg())
-        and t.dtype == buffer.dtype
-        and t.storage_offset() == 0
-        and t.is_contiguous()
-        and t.numel() == buffer.numel
-    )
+    return not (t.is_conj() or t.is_neg()) and _covers(t, storage.buffer_of(t))
+
+
+def _covers(t: torch.Tensor, buffer: storage.DeviceBuffer) -> bool:
+    """`t` is contiguous over all of `buffer` (its storage's), in the buffer's dtype."""
+    return t.dtype == buffer.dtype and t.numel() == buffer.numel and t.storage_offset() == 0 and t.is_contiguous()
 
 
 def _fills_whole(dst: torch.Tensor, src: torch.Tensor) -> bool:

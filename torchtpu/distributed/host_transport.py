@@ -93,15 +93,15 @@ def _host_memory(array, shape: torch.Size) -> torch.Tensor:
 
 
 def _single_buffer(array):
-    """The CPU-platform `array`'s buffer, once ready, as a single-device array; None when the
-    array is spread over devices."""
-    array.block_until_ready()
+    """The CPU-platform `array`'s buffer as a single-device array; None when the array is spread
+    over devices. Not waited for: its export waits for the program writing it (`_over`)."""
     return array._fully_replicated_shard() if array.is_fully_replicated else None
 
 
 def _over(array, shape: torch.Size) -> torch.Tensor:
-    """A CPU tensor of `shape` over the memory of the ready single-device CPU-platform `array`,
-    exported to DLPack: while the tensor lives, donating the buffer copies it."""
+    """A CPU tensor of `shape` over the memory of the single-device CPU-platform `array`,
+    exported to DLPack: while the tensor lives, donating the buffer copies it. The export
+    returns once the program writing the buffer has finished, so nothing else waits for it."""
     host = _from_dlpack(_jax().buffer_to_dlpack_managed_tensor(array, stream=None))
     return host if host.shape == shape else host.view(shape)
 
@@ -139,7 +139,7 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _claimed(t: torch.Tensor, results: ResultArrays | None = None):
-    """`claim`'s donated (and ready) array, not yet exported; None where there is none (a
+    """`claim`'s donated array, not yet exported (nor waited for); None where there is none (a
     never-written storage has no buffer, and is not read: that would make one of zeros). An
     array that `results` handed out is held by it too."""
     if runtime.runtime().platform != "cpu":
@@ -154,7 +154,6 @@ def _claimed(t: torch.Tensor, results: ResultArrays | None = None):
     owned = _donate()(buffer.value)
     buffer.value = owned
     counters.count("dist_buffers_claimed")
-    owned.block_until_ready()
     return owned
 
 
@@ -399,7 +398,8 @@ class _Staging:
         return _borrowed(host)
 
     def _lend(self, array, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s view of the memory of the ready single-device CPU-platform `array`, for gloo.
+        """`t`'s view of the memory of the single-device CPU-platform `array`, for gloo, once the
+        program writing it has finished (the export waits for it).
 
         What is held until gloo is done is the buffer's DLPack export itself (as in `_over`, but
         not made into a tensor: it keeps the buffer allocated and makes donating it copy), and

@@ -249,3 +249,30 @@ def test_only_sizes_that_recur_are_pooled():
         return _reused() - before
 
     assert [received_and_gone() for _ in range(5)] == [0, 0, 0, 1, 1]
+
+
+def _pending_product() -> torch.Tensor:
+    """A tpu tensor whose program (~0.1 s of matmuls) is still running when this returns; every
+    element is exactly 1/1024 (powers of two are exact at any matmul precision)."""
+    a = torch.full((1024, 1024), 1.0 / 1024).to("tpu:0")
+    product = (a @ a @ a @ a @ a).reshape(-1)
+    assert not memory.to_array(product).is_ready()  # else the tests below would test nothing
+    return product
+
+
+def test_gloo_reads_an_input_only_once_the_program_writing_it_finished():
+    product = _pending_product()
+    staging = _Staging(ReceiveBuffers())
+    lent = staging.read(product)
+    assert torch.equal(lent, torch.full((1 << 20,), 1.0 / 1024))
+    staging.deliver()
+
+
+def test_gloo_writes_a_claimed_output_only_once_the_program_writing_it_finished():
+    product = _pending_product()
+    staging = _Staging(ReceiveBuffers())
+    lent = staging.update(product)  # what an all_reduce gives gloo, to reduce in place
+    assert torch.equal(lent, torch.full((1 << 20,), 1.0 / 1024))
+    lent.fill_(7.0)
+    staging.deliver()
+    assert torch.equal(product.cpu(), torch.full((1 << 20,), 7.0))

@@ -6,7 +6,8 @@
 // tpu:1 fails an internal assert. Its Python hooks cannot give a pinned-memory allocator, which
 // PyTorch asks of the device for host staging buffers (DDP's reducer, non_blocking copies to the
 // host). Guard and hooks are registered for PrivateUse1 before the Python ones (registration is
-// first-wins). This is the only C++ in torchtpu; torchtpu/device_guard.py builds and loads it.
+// first-wins). torchtpu/device_guard.py builds and loads it (the eager fast path's C++ is
+// fast_dispatch.cpp, a library of its own).
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>

@@ -9,7 +9,9 @@ a small C++ one (`torchtpu.device_guard`), because the Python guard knows only o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import os
 from typing import Iterator
 
 import torch
@@ -153,6 +155,48 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
 def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
     index = _index(device)
     storage.stats.peak[index] = storage.stats.allocated.get(index, 0)
+
+
+def empty_cache() -> None:
+    """Release the memory torchtpu keeps for reuse that no tensor uses: the pooled buffers of
+    collectives and, on the CPU stand-in, the freed device memory its heap keeps
+    (`torchtpu.stand_in_memory`). Live tensors keep theirs. On a TPU, PJRT's allocator manages
+    its own device memory and has nothing to release here."""
+    from torchtpu import stand_in_memory
+    from torchtpu.distributed import host_transport
+
+    host_transport.release_pools()
+    stand_in_memory.trim()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    """What `get_device_properties` reports of a tpu device."""
+
+    name: str  # the runtime's device kind: "TPU v5p", ...; "cpu" on the CPU stand-in
+    platform: str  # "tpu", or "cpu" on the stand-in
+    index: int
+    total_memory: int  # bytes the device can hold (the host's memory on the stand-in)
+
+
+def get_device_name(device: int | str | torch.device | None = None) -> str:
+    """The device's kind as the runtime names it ("TPU v5p", ...; "cpu" on the CPU stand-in)."""
+    return runtime.jax_device(_index(device)).device_kind
+
+
+def get_device_properties(device: int | str | torch.device | None = None) -> DeviceProperties:
+    """Name, platform and memory of a tpu device. A TPU reports its memory limit (UNTESTED: no
+    TPU here); on the CPU stand-in device memory is host memory, so it is the host's."""
+    index = _index(device)
+    jax_device = runtime.jax_device(index)
+    if jax_device.platform == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        stats = jax_device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise RuntimeError(f"tpu:{index} ({jax_device.device_kind}) reports no memory limit")
+        total = int(stats["bytes_limit"])
+    return DeviceProperties(jax_device.device_kind, jax_device.platform, index, total)
 
 
 def precision(mode: str | Precision | None = None):

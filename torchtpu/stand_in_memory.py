@@ -23,7 +23,7 @@ import ctypes.util
 import importlib.util
 import os
 
-__all__ = ["install", "installed", "uninstall"]
+__all__ = ["install", "installed", "trim", "uninstall"]
 
 _ENV = "TORCHTPU_HOST_MEMORY_POOL"
 # mallopt parameters (glibc's malloc.h) and glibc's defaults for them.
@@ -79,3 +79,14 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return _installed
+
+
+def trim() -> bool:
+    """Give the heap's free memory back to the kernel (`torch.tpu.empty_cache`): glibc's
+    `malloc_trim(0)`, which unmaps the free top and releases the pages of free blocks inside the
+    heap. Later allocations fault those pages in again. Whether anything was released; False
+    without glibc or without the pool (glibc then trims by itself)."""
+    if not _installed:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    return libc.malloc_trim(ctypes.c_size_t(0)) == 1

@@ -90,6 +90,56 @@ def test_memory_stats_follow_live_tensors():
     assert torch.tpu.memory_allocated() == before
 
 
+def test_device_name_and_properties_are_the_runtimes():
+    import jax
+
+    kind = jax.devices()[1].device_kind  # "cpu" on the stand-in
+    assert torch.tpu.get_device_name("tpu:1") == kind
+    properties = torch.tpu.get_device_properties(1)
+    assert (properties.name, properties.index, properties.platform) == (kind, 1, jax.devices()[1].platform)
+    if properties.platform == "cpu":  # device memory is host memory
+        with open("/proc/meminfo") as meminfo:
+            total_kib = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1])
+        assert properties.total_memory == total_kib * 1024
+    with pytest.raises(ValueError, match="expected a tpu device"):
+        torch.tpu.get_device_name("cpu")
+
+
+_EMPTY_CACHE = """
+import torch, torchtpu
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+x = torch.ones(1 << 26, device="tpu")  # 256 MiB, written
+x.sum().item()
+del x
+kept = resident()
+torch.tpu.empty_cache()
+print(torchtpu.stand_in_memory.installed(), kept - resident())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in's pool is glibc's")
+def test_empty_cache_gives_the_stand_ins_freed_memory_back():
+    out = _run(_EMPTY_CACHE, {"TORCHTPU_NUM_DEVICES": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert out.returncode == 0, out.stderr
+    installed, released = out.stdout.split()
+    assert installed == "True"
+    assert int(released) > 200 << 20, released  # the freed 256 MiB the pool kept
+
+
+def test_empty_cache_forgets_the_collectives_pooled_memory():
+    from torchtpu.distributed.host_transport import ReceiveBuffers, ResultArrays
+
+    buffers, results = ReceiveBuffers(), ResultArrays()
+    buffers.take((1024,), torch.float32)
+    for _ in range(3):  # a size is pooled once asked for three times
+        results.take(1024, torch.float32, 0)
+    assert buffers.pooled_bytes and results.pooled_bytes
+    torch.tpu.empty_cache()
+    assert buffers.pooled_bytes == 0 and results.pooled_bytes == 0
+
+
 def test_rng_state_roundtrip_and_seeding():
     torch.tpu.manual_seed(123)
     state = torch.tpu.get_rng_state()

@@ -52,6 +52,7 @@ import ctypes
 import functools
 import math
 import sys
+import weakref
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -167,6 +168,15 @@ def _donate():
 
 _SIZES_COUNTED = 1024  # sizes whose requests `ResultArrays` counts before pooling them (forgotten all at once)
 
+_pools: weakref.WeakSet = weakref.WeakSet()  # every live `ResultArrays` and `ReceiveBuffers`
+
+
+def release_pools() -> None:
+    """Forget every pooled result array and receive buffer of this process (`torch.tpu.empty_cache`):
+    memory that no tensor uses is freed, and later calls pool again from scratch."""
+    for pool in list(_pools):
+        pool.clear()
+
 
 class ResultArrays:
     """Device arrays that whole new outputs receive into, each reused once nothing but this pool
@@ -194,6 +204,19 @@ class ResultArrays:
         self._pooled = 0
         self._pool: OrderedDict[tuple[int, torch.dtype, int], list] = OrderedDict()
         self._ids: set[int] = set()  # of the pooled arrays, which the pool keeps alive
+        _pools.add(self)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the arrays the pool keeps (in use by outputs or not)."""
+        return self._pooled
+
+    def clear(self) -> None:
+        """Forget every pooled array (those that outputs still hold stay theirs)."""
+        self._pool.clear()
+        self._ids.clear()
+        self._asked.clear()
+        self._pooled = 0
 
     def holds(self, array) -> bool:
         """Whether `array` is one of the pool's."""
@@ -273,6 +296,17 @@ class ReceiveBuffers:
         self._max_bytes = max_bytes
         self._pooled = 0
         self._pool: OrderedDict[int, list[tuple[torch.Tensor, int]]] = OrderedDict()
+        _pools.add(self)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the allocations the pool keeps (in use or not)."""
+        return self._pooled
+
+    def clear(self) -> None:
+        """Forget every pooled allocation (those still in use stay with their users)."""
+        self._pool.clear()
+        self._pooled = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize

@@ -86,3 +86,32 @@ def test_rows_must_divide_over_the_mesh():
         sharding.shard(torch.ones(devices + 1, 2))
     with pytest.raises(ValueError, match=f"first dimension must be a multiple of {devices}"):
         sharding.from_process_local(torch.ones(devices + 1, 2).numpy())
+
+
+def _shard_in_two_hosts(rank: int, lock_root: str, coordinator_port: int) -> None:
+    """One of two stand-in hosts of two devices each: `shard` of the same tpu tensor keeps this
+    host's rows on its devices, and reads back whole."""
+    import os
+
+    import stand_in
+
+    os.environ.update(TORCHTPU_LOCK_DIR=os.path.join(lock_root, str(rank)), TORCHTPU_NUM_DEVICES="2",
+                      XLA_FLAGS=stand_in.xla_flags(2))
+    from torchtpu import runtime
+
+    runtime.configure_distributed(runtime.DistributedConfig(f"127.0.0.1:{coordinator_port}", 2, rank))
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))  # every host passes the same
+    s = sharding.shard(x.to("tpu:1"))
+    assert runtime.runtime().process_count == 2 and len(sharding.mesh_devices()) == 4
+    blocks = sharding.local_shards(s)
+    assert [row for row, _ in blocks] == [4 * rank, 4 * rank + 2]  # this host's two of four blocks
+    assert torch.equal(torch.cat([b for _, b in blocks]), x[4 * rank : 4 * rank + 4])
+    assert torch.equal(s.cpu(), x)  # gathered from both hosts
+
+
+@pytest.mark.slow
+def test_shard_of_a_tpu_tensor_in_a_multi_process_job(tmp_path):
+    import stand_in
+
+    stand_in.run_ranks(_shard_in_two_hosts, (str(tmp_path), stand_in.free_port()), 2, 300,
+                       "shard in two hosts")

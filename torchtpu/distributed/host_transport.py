@@ -178,7 +178,28 @@ def release_pools() -> None:
         pool.clear()
 
 
-class ResultArrays:
+class _Pool:
+    """What both pools share: their bounds, the bytes they keep (in use or not), by size from
+    the least recently used, and forgetting all of it (`release_pools`)."""
+
+    def __init__(self, per_size: int, max_bytes: int) -> None:
+        self._per_size = per_size
+        self._max_bytes = max_bytes
+        self._pooled = 0
+        self._pool: OrderedDict = OrderedDict()
+        _pools.add(self)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self._pooled
+
+    def clear(self) -> None:
+        """Forget everything pooled (what is still in use stays with its users)."""
+        self._pool.clear()
+        self._pooled = 0
+
+
+class ResultArrays(_Pool):
     """Device arrays that whole new outputs receive into, each reused once nothing but this pool
     holds it.
 
@@ -197,26 +218,15 @@ class ResultArrays:
     counts reuses as `dist_results_reused`."""
 
     def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20, recurring: int = 3) -> None:
-        self._per_size = per_size
-        self._max_bytes = max_bytes
+        super().__init__(per_size, max_bytes)  # pooled: (numel, dtype, device) -> arrays
         self._recurring = recurring
         self._asked: dict[tuple[int, torch.dtype, int], int] = {}  # times each size not yet pooled was asked for
-        self._pooled = 0
-        self._pool: OrderedDict[tuple[int, torch.dtype, int], list] = OrderedDict()
         self._ids: set[int] = set()  # of the pooled arrays, which the pool keeps alive
-        _pools.add(self)
-
-    @property
-    def pooled_bytes(self) -> int:
-        """Bytes of the arrays the pool keeps (in use by outputs or not)."""
-        return self._pooled
 
     def clear(self) -> None:
-        """Forget every pooled array (those that outputs still hold stay theirs)."""
-        self._pool.clear()
+        super().clear()
         self._ids.clear()
         self._asked.clear()
-        self._pooled = 0
 
     def holds(self, array) -> bool:
         """Whether `array` is one of the pool's."""
@@ -277,7 +287,7 @@ def _fresh_array(numel: int, dtype: torch.dtype, index: int):
     return memory.array_over_host(torch.empty(numel, dtype=dtype), index)
 
 
-class ReceiveBuffers:
+class ReceiveBuffers(_Pool):
     """Host buffers that results arrive in, reused once their device arrays are gone: the
     results of outputs that are views (copied into them), and every result off the CPU platform
     (where device memory is not host memory) or without `ResultArrays`.
@@ -292,21 +302,7 @@ class ReceiveBuffers:
     """
 
     def __init__(self, per_size: int = 4, max_bytes: int = 512 << 20) -> None:
-        self._per_size = per_size
-        self._max_bytes = max_bytes
-        self._pooled = 0
-        self._pool: OrderedDict[int, list[tuple[torch.Tensor, int]]] = OrderedDict()
-        _pools.add(self)
-
-    @property
-    def pooled_bytes(self) -> int:
-        """Bytes of the allocations the pool keeps (in use or not)."""
-        return self._pooled
-
-    def clear(self) -> None:
-        """Forget every pooled allocation (those still in use stay with their users)."""
-        self._pool.clear()
-        self._pooled = 0
+        super().__init__(per_size, max_bytes)  # pooled: rounded size -> (allocation, idle use count)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize

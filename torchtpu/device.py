@@ -152,9 +152,27 @@ def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
     return storage.stats.peak.get(_index(device), 0)
 
 
+def _memory_stats(index: int) -> tuple[int, int]:
+    """(allocated, peak) bytes of `index`: what the PrivateUse1 allocator gives `torch.accelerator`."""
+    return memory_allocated(index), max_memory_allocated(index)
+
+
 def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
     index = _index(device)
     storage.stats.peak[index] = storage.stats.allocated.get(index, 0)
+
+
+def mem_get_info(device: int | str | torch.device | None = None) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory: on a TPU its limit and what is not in use
+    (UNTESTED: no TPU here); on the CPU stand-in, whose device memory is host memory, the host's
+    available and total memory."""
+    properties = get_device_properties(device)
+    if properties.platform == "cpu":
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024, properties.total_memory
+    stats = runtime.jax_device(properties.index).memory_stats()
+    return properties.total_memory - int(stats["bytes_in_use"]), properties.total_memory
 
 
 def empty_cache() -> None:
@@ -264,6 +282,7 @@ def register_backend() -> None:
         )
     # The C++ guard goes first: guard registration is first-wins (see `torchtpu.device_guard`).
     device_guard.install()
+    device_guard.set_memory_callbacks(_memory_stats, reset_peak_memory_stats, empty_cache, mem_get_info)
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
     _backward_on_calling_thread()
     _registered = True

@@ -5,10 +5,14 @@ ignores `set_device`. The autograd engine sizes its per-device ready queues by t
 it a backward pass on `tpu:1` fails an internal assert, and `torch.device("tpu")` could never mean
 anything but `tpu:0`. `csrc/device_guard.cpp` is a complete guard in a few lines of C++; this
 module builds it once per torch build (`torchtpu.native`) and loads it before the Python
-registration, which is first-wins.
+registration, which is first-wins. The same library registers the PrivateUse1 allocator, whose
+memory figures come from `torchtpu.device` (`set_memory_callbacks`): PyTorch asks it for storage
+it allocates itself (`torch.UntypedStorage(n, device="tpu")`) and for `torch.accelerator`'s memory
+API.
 
 Without a C++ compiler the Python guard stays, with a warning: everything works on `tpu:0`, and a
-backward pass on another device index fails.
+backward pass on another device index fails; without the allocator, `torch.UntypedStorage(n,
+device="tpu")` crashes and `torch.accelerator`'s memory functions fail (`torch.tpu`'s work).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ctypes
 import os
 import threading
 import warnings
+from typing import Callable
 
 from torchtpu import native
 
@@ -38,7 +43,9 @@ def install() -> bool:
         warnings.warn(
             f"torchtpu could not build its device guard ({error}); falling back to PyTorch's "
             "Python device guard, which knows one device: backward passes on tpu:1 and above "
-            "will fail. Install a C++ compiler (g++) to lift this.",
+            "will fail, and without its allocator torch.UntypedStorage(n, device='tpu') crashes "
+            "and torch.accelerator's memory functions fail (torch.tpu's work). Install a C++ "
+            "compiler (g++) to lift this.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -47,6 +54,33 @@ def install() -> bool:
     library.torchtpu_set_device_count(int(os.environ.get("TORCHTPU_NUM_DEVICES") or _PROVISIONAL_COUNT))
     _library = library
     return True
+
+
+_MemoryStats = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64))
+_OnDevice = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_Release = ctypes.CFUNCTYPE(None)
+_MemoryInfo = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64))
+_callbacks: tuple = ()  # the C functions handed to the library, kept alive with it
+
+
+def set_memory_callbacks(stats: Callable[[int], tuple[int, int]], reset_peak: Callable[[int], None],
+                         empty_cache: Callable[[], None], memory_info: Callable[[int], tuple[int, int]]) -> None:
+    """What the PrivateUse1 allocator reports and does for `torch.accelerator`'s memory API:
+    `stats(device)` -> (allocated, peak) bytes, `reset_peak(device)`, `empty_cache()`,
+    `memory_info(device)` -> (free, total) bytes."""
+    global _callbacks
+    if _library is None:
+        return
+
+    def write_stats(device, allocated, peak):
+        allocated[0], peak[0] = stats(device)
+
+    def write_memory_info(device, free, total):
+        free[0], total[0] = memory_info(device)
+
+    _callbacks = (_MemoryStats(write_stats), _OnDevice(reset_peak), _Release(empty_cache),
+                  _MemoryInfo(write_memory_info))
+    _library.torchtpu_set_memory_callbacks(*_callbacks)
 
 
 def set_device_count(count: int) -> None:

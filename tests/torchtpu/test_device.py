@@ -141,6 +141,41 @@ def test_empty_cache_forgets_the_collectives_pooled_memory():
     assert buffers.pooled_bytes == 0 and results.pooled_bytes == 0
 
 
+def test_a_storage_that_pytorch_allocates_on_tpu_holds_device_data():
+    # PyTorch asks the PrivateUse1 allocator for it (without one the process crashed).
+    raw = torch.UntypedStorage(16, device="tpu:1")
+    assert raw.device == torch.device("tpu:1") and raw.nbytes() == 16
+    t = torch.empty(0, dtype=torch.int32, device="tpu:1").set_(raw)
+    assert t.tolist() == [0, 0, 0, 0]  # fresh device memory reads as zeros
+    t.add_(torch.arange(4, dtype=torch.int32, device="tpu:1"))
+    assert t.cpu().tolist() == [0, 1, 2, 3]
+
+
+def test_torch_accelerator_memory_api_counts_tpu_storages():
+    torch.tpu.synchronize()
+    before = torch.accelerator.memory_allocated(0)
+    assert before == torch.tpu.memory_allocated(0)
+    x = torch.empty(1024, 256, device="tpu:0")
+    assert torch.accelerator.memory_allocated(0) == before + x.nbytes
+    torch.accelerator.reset_peak_memory_stats(0)
+    assert torch.accelerator.max_memory_allocated(0) == before + x.nbytes
+    stats = torch.accelerator.memory_stats(0)
+    assert stats["allocated_bytes.all.current"] == stats["reserved_bytes.all.current"] == before + x.nbytes
+    del x
+    assert torch.accelerator.memory_allocated(0) == before
+    free, total = torch.accelerator.get_memory_info(0)
+    assert total == torch.tpu.get_device_properties(0).total_memory and 0 < free <= total
+
+
+def test_torch_accelerator_empty_cache_is_torch_tpus():
+    from torchtpu.distributed.host_transport import ReceiveBuffers
+
+    buffers = ReceiveBuffers()
+    buffers.take((1024,), torch.float32)
+    torch.accelerator.empty_cache()
+    assert buffers.pooled_bytes == 0
+
+
 def test_rng_state_roundtrip_and_seeding():
     torch.tpu.manual_seed(123)
     state = torch.tpu.get_rng_state()

@@ -118,6 +118,27 @@ def test_a_graph_mixing_host_and_tpu_tensors_is_split_by_device():
     assert sum(_graph_programs().values()) >= 1  # the tpu ops ran as compiled programs
 
 
+def test_dtype_casts_run_inside_the_compiled_program():
+    """`x.to(dtype)` on tpu tensors (mixed precision, autocast's casts) is part of the program,
+    forward and backward, not an eager op that splits the graph."""
+    fn = lambda x, w: (x.to(torch.bfloat16) @ w.to(torch.bfloat16)).to(torch.float32).sum()  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    w_tpu = w.to("tpu").requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing lacks a lowering: no warning
+        loss = torch.compile(fn, backend="tpu")(x.to("tpu"), w_tpu)
+        loss.backward()
+    w_cpu = w.clone().requires_grad_()
+    expected = fn(x, w_cpu)
+    expected.backward()
+    # One program may keep the product in float32 where eager rounds it to bfloat16 first (XLA
+    # allows excess precision, as Inductor's fused kernels do): bfloat16's tolerance.
+    torch.testing.assert_close(loss.cpu(), expected, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(w_tpu.grad.cpu(), w_cpu.grad, rtol=1.6e-2, atol=1e-2)
+    assert w_tpu.grad.dtype == torch.float32
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
 class _HostStage(nn.Module):
     """A model that runs one stage of its forward on the host (state kept on the CPU)."""
 

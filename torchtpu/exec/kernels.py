@@ -282,6 +282,11 @@ _MEMORY_KERNELS = {
 }
 
 
+# Lowered for compiled graphs only: eager calls keep PyTorch's composite kernel, which also moves
+# tensors between devices (an empty tensor on the target, then `copy_`).
+_GRAPH_ONLY = frozenset({aten._to_copy.default})
+
+
 def _variants(op: OpOverload):
     """The in-place and out= overloads (of `op`'s namespace) whose functional variant is `op`."""
     name = op._schema.name.split("::")[1]
@@ -318,7 +323,7 @@ def register_all() -> None:
     for op, kernel in registry.data_dependent_ops().items():
         _register(op, kernel)
     for op in registry.lowered_ops():
-        if op in _MEMORY_KERNELS or _is_composite_implicit(op) or _returns_alias(op):
+        if op in _MEMORY_KERNELS or op in _GRAPH_ONLY or _is_composite_implicit(op) or _returns_alias(op):
             continue
         _register_lowered(op)
         for variant in _variants(op):

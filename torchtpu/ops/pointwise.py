@@ -422,3 +422,12 @@ def zero(ctx, x):
 @registry.register(aten.copy.default)
 def copy(ctx, x, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(ctx.out_dtype()), x.shape)
+
+
+@registry.register(aten._to_copy.default)
+def to_copy(ctx, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+            memory_format=None):
+    """`x.to(dtype)` inside a compiled graph (autocast's casts, mixed-precision code): a copy in the
+    output's dtype. Copies between devices never reach a program (their host side keeps them out,
+    `exec.split`), and eager calls keep PyTorch's composite kernel, which moves between devices."""
+    return x.astype(ctx.out_dtype())

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from torchtpu import autocast as _autocast
 from torchtpu import precision as _precision
 from torchtpu import random as _random
 from torchtpu import device_guard, runtime, storage
@@ -217,6 +218,16 @@ def get_device_properties(device: int | str | torch.device | None = None) -> Dev
     return DeviceProperties(jax_device.device_kind, jax_device.platform, index, total)
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes `torch.autocast("tpu", dtype=...)` runs in (bfloat16, its default, and float16)."""
+    return _autocast.supported_dtypes()
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """True: bfloat16 is the TPU's native 16-bit type (the CPU stand-in computes it too)."""
+    return True
+
+
 def precision(mode: str | Precision | None = None):
     """Matmul precision: `precision()` returns the mode, `precision(mode)` sets it and, used as
     `with torch.tpu.precision(mode):`, restores the previous mode on exit."""
@@ -284,6 +295,7 @@ def register_backend() -> None:
     device_guard.install()
     device_guard.set_memory_callbacks(_memory_stats, reset_peak_memory_stats, empty_cache, mem_get_info)
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
+    _autocast.install()  # after the rename: it sets the autocast dtype of "tpu"
     _backward_on_calling_thread()
     _registered = True
 

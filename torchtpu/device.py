@@ -294,6 +294,7 @@ def register_backend() -> None:
     # The C++ guard goes first: guard registration is first-wins (see `torchtpu.device_guard`).
     device_guard.install()
     device_guard.set_memory_callbacks(_memory_stats, reset_peak_memory_stats, empty_cache, mem_get_info)
+    device_guard.set_synchronize(synchronize)
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
     _autocast.install()  # after the rename: it sets the autocast dtype of "tpu"
     _backward_on_calling_thread()

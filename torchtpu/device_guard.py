@@ -83,6 +83,30 @@ def set_memory_callbacks(stats: Callable[[int], tuple[int, int]], reset_peak: Ca
     _library.torchtpu_set_memory_callbacks(*_callbacks)
 
 
+_Synchronize = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_synchronize: tuple = ()
+
+
+def set_synchronize(synchronize: Callable[[int], None]) -> None:
+    """What the C++ guard runs for `torch.accelerator.synchronize()`: `synchronize(device)`, whose
+    error becomes the caller's RuntimeError."""
+    global _synchronize
+    if _library is None:
+        return
+
+    def run(device, error, size):
+        try:
+            synchronize(device)
+        except Exception as exc:  # noqa: BLE001  (every error goes back to the caller, as a message)
+            message = f"{type(exc).__name__}: {exc}".encode()[: size - 1]
+            ctypes.memmove(error, message, len(message))
+            return 1
+        return 0
+
+    _synchronize = (_Synchronize(run),)
+    _library.torchtpu_set_synchronize(*_synchronize)
+
+
 def set_device_count(count: int) -> None:
     """Publish the runtime's device count (called once the runtime has started)."""
     if _library is not None:

@@ -176,6 +176,20 @@ def test_torch_accelerator_empty_cache_is_torch_tpus():
     assert buffers.pooled_bytes == 0
 
 
+def test_torch_accelerator_synchronize_waits_and_reports_device_errors():
+    from torchtpu.exec import memory
+
+    a = torch.full((1024, 1024), 1.0 / 1024).to("tpu:0")
+    product = a @ a @ a @ a  # ~0.1 s of matmuls, dispatched asynchronously
+    assert not memory.to_array(product).is_ready()
+    torch.accelerator.synchronize()
+    assert memory.to_array(product).is_ready()
+    torch.arange(4.0).to("tpu:0")[torch.tensor([1, 4]).to("tpu:0")]  # out of range: found on the device
+    with pytest.raises(RuntimeError, match="DeviceCheckError: .*index out of range"):
+        torch.accelerator.synchronize(0)
+    torch.accelerator.synchronize()  # reported once, as torch.tpu.synchronize reports it
+
+
 def test_rng_state_roundtrip_and_seeding():
     torch.tpu.manual_seed(123)
     state = torch.tpu.get_rng_state()

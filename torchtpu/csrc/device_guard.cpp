@@ -23,6 +23,11 @@ namespace {
 std::atomic<c10::DeviceIndex> device_count{1};
 thread_local c10::DeviceIndex current_index = 0;
 
+// `torch.tpu.synchronize(device)`, passed in from Python (a ctypes function, which takes the GIL):
+// 0 when it returned, else its error's message written into `error` (of `size` bytes).
+using SynchronizeFn = int (*)(int device, char* error, size_t size);
+std::atomic<SynchronizeFn> synchronize_device{nullptr};
+
 struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
     return c10::DeviceType::PrivateUse1;
@@ -58,6 +63,13 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
   }
   c10::DeviceIndex deviceCount() const noexcept override {
     return device_count.load();
+  }
+  // `torch.accelerator.synchronize()`: everything issued to the device has finished.
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    SynchronizeFn synchronize = synchronize_device.load();
+    TORCH_CHECK(synchronize != nullptr, "the tpu runtime has not registered its synchronize yet (import torchtpu)");
+    char error[1024] = {0};
+    TORCH_CHECK(synchronize(device_index < 0 ? current_index : device_index, error, sizeof(error)) == 0, error);
   }
 };
 
@@ -239,6 +251,10 @@ int torchtpu_current_device() {
 
 void torchtpu_set_current_device(int index) {
   current_index = static_cast<c10::DeviceIndex>(index);
+}
+
+void torchtpu_set_synchronize(SynchronizeFn synchronize) {
+  synchronize_device.store(synchronize);
 }
 
 void torchtpu_set_memory_callbacks(MemoryStatsFn stats, DeviceFn reset_peak, EmptyCacheFn empty_cache,

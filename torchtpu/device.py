@@ -20,6 +20,8 @@ from torchtpu import autocast as _autocast
 from torchtpu import precision as _precision
 from torchtpu import random as _random
 from torchtpu import device_guard, runtime, storage
+from torchtpu import events as _events
+from torchtpu.events import Event  # noqa: F401 (torch.tpu.Event)
 from torchtpu.streams import Stream, current_stream, default_stream, stream  # noqa: F401 (torch.tpu's streams)
 
 
@@ -293,8 +295,11 @@ def register_backend() -> None:
         )
     # The C++ guard goes first: guard registration is first-wins (see `torchtpu.device_guard`).
     device_guard.install()
-    device_guard.set_memory_callbacks(_memory_stats, reset_peak_memory_stats, empty_cache, mem_get_info)
-    device_guard.set_synchronize(synchronize)
+    device_guard.set_runtime(device_guard.RuntimeHooks(
+        synchronize=synchronize, record_event=_events.record, query_event=_events.query,
+        synchronize_event=_events.synchronize, destroy_event=_events.destroy, memory_stats=_memory_stats,
+        reset_peak_memory_stats=reset_peak_memory_stats, empty_cache=empty_cache, memory_info=mem_get_info,
+    ))
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())
     _autocast.install()  # after the rename: it sets the autocast dtype of "tpu"
     _backward_on_calling_thread()

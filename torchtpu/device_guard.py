@@ -5,10 +5,10 @@ ignores `set_device`. The autograd engine sizes its per-device ready queues by t
 it a backward pass on `tpu:1` fails an internal assert, and `torch.device("tpu")` could never mean
 anything but `tpu:0`. `csrc/device_guard.cpp` is a complete guard in a few lines of C++; this
 module builds it once per torch build (`torchtpu.native`) and loads it before the Python
-registration, which is first-wins. The same library registers the PrivateUse1 allocator, whose
-memory figures come from `torchtpu.device` (`set_memory_callbacks`): PyTorch asks it for storage
-it allocates itself (`torch.UntypedStorage(n, device="tpu")`) and for `torch.accelerator`'s memory
-API.
+registration, which is first-wins. The same library registers the PrivateUse1 allocator:
+PyTorch asks it for storage it allocates itself (`torch.UntypedStorage(n, device="tpu")`) and for
+`torch.accelerator`'s memory API. The guard's synchronisation, events and streams and the
+allocator's memory figures are the Python runtime's, handed over as `RuntimeHooks`.
 
 Without a C++ compiler the Python guard stays, with a warning: everything works on `tpu:0`, and a
 backward pass on another device index fails; without the allocator, `torch.UntypedStorage(n,
@@ -18,10 +18,11 @@ device="tpu")` crashes and `torch.accelerator`'s memory functions fail (`torch.t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from torchtpu import native
 
@@ -56,55 +57,88 @@ def install() -> bool:
     return True
 
 
-_MemoryStats = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64))
-_OnDevice = ctypes.CFUNCTYPE(None, ctypes.c_int)
-_Release = ctypes.CFUNCTYPE(None)
-_MemoryInfo = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64))
-_callbacks: tuple = ()  # the C functions handed to the library, kept alive with it
+@dataclasses.dataclass(frozen=True)
+class RuntimeHooks:
+    """What the C++ guard and allocator run for PyTorch's device API (`torch.accelerator`,
+    `torch.Event`, `torch.Stream`): the Python runtime's answers (torchtpu.device, torchtpu.events)."""
+
+    synchronize: Callable[[int], None]  # (device)
+    record_event: Callable[[int, int], int]  # (device, event or 0 for a new one) -> event
+    query_event: Callable[[int], bool]
+    synchronize_event: Callable[[int], None]
+    destroy_event: Callable[[int], None]
+    memory_stats: Callable[[int], tuple[int, int]]  # (device) -> (allocated, peak) bytes
+    reset_peak_memory_stats: Callable[[int], None]
+    empty_cache: Callable[[], None]
+    memory_info: Callable[[int], tuple[int, int]]  # (device) -> (free, total) bytes
 
 
-def set_memory_callbacks(stats: Callable[[int], tuple[int, int]], reset_peak: Callable[[int], None],
-                         empty_cache: Callable[[], None], memory_info: Callable[[int], tuple[int, int]]) -> None:
-    """What the PrivateUse1 allocator reports and does for `torch.accelerator`'s memory API:
-    `stats(device)` -> (allocated, peak) bytes, `reset_peak(device)`, `empty_cache()`,
-    `memory_info(device)` -> (free, total) bytes."""
-    global _callbacks
-    if _library is None:
-        return
-
-    def write_stats(device, allocated, peak):
-        allocated[0], peak[0] = stats(device)
-
-    def write_memory_info(device, free, total):
-        free[0], total[0] = memory_info(device)
-
-    _callbacks = (_MemoryStats(write_stats), _OnDevice(reset_peak), _Release(empty_cache),
-                  _MemoryInfo(write_memory_info))
-    _library.torchtpu_set_memory_callbacks(*_callbacks)
+_Error = (ctypes.c_void_p, ctypes.c_size_t)  # every call's buffer for its error's message
+_Int64Out = ctypes.POINTER(ctypes.c_int64)
 
 
-_Synchronize = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
-_synchronize: tuple = ()
+class _Callbacks(ctypes.Structure):
+    """csrc/device_guard.cpp's `RuntimeCallbacks`, field for field."""
+
+    _fields_ = [
+        ("synchronize_device", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, *_Error)),
+        ("record_event", ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int, ctypes.c_int64, *_Error)),
+        ("query_event", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, *_Error)),
+        ("synchronize_event", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, *_Error)),
+        ("destroy_event", ctypes.CFUNCTYPE(None, ctypes.c_int64)),
+        ("memory_stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _Int64Out, _Int64Out, *_Error)),
+        ("reset_peak_memory_stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, *_Error)),
+        ("empty_cache", ctypes.CFUNCTYPE(ctypes.c_int, *_Error)),
+        ("memory_info", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _Int64Out, _Int64Out, *_Error)),
+    ]
 
 
-def set_synchronize(synchronize: Callable[[int], None]) -> None:
-    """What the C++ guard runs for `torch.accelerator.synchronize()`: `synchronize(device)`, whose
-    error becomes the caller's RuntimeError."""
-    global _synchronize
-    if _library is None:
-        return
+_callbacks: _Callbacks | None = None  # kept alive with the library, which calls them
 
-    def run(device, error, size):
+
+def _reporting(fn: Callable[..., int | None]) -> Callable[..., int]:
+    """`fn(*args)` for C++: its result (0 for None), or -1 with its error's message written into
+    the caller's buffer (which raises it as a RuntimeError)."""
+
+    def run(*args):
+        *args, error, size = args
         try:
-            synchronize(device)
+            return fn(*args) or 0
         except Exception as exc:  # noqa: BLE001  (every error goes back to the caller, as a message)
             message = f"{type(exc).__name__}: {exc}".encode()[: size - 1]
             ctypes.memmove(error, message, len(message))
-            return 1
-        return 0
+            return -1
 
-    _synchronize = (_Synchronize(run),)
-    _library.torchtpu_set_synchronize(*_synchronize)
+    return run
+
+
+def _pair(fn: Callable[[int], tuple[int, int]]) -> Callable[[int, Any, Any], None]:
+    """`fn(device)`'s two numbers written into C++'s two out-parameters."""
+
+    def write(device, first, second):
+        first[0], second[0] = fn(device)
+
+    return write
+
+
+def set_runtime(hooks: RuntimeHooks) -> None:
+    """Hand `hooks` to the C++ guard and allocator (nothing to do without them)."""
+    global _callbacks
+    if _library is None:
+        return
+    fields = dict(_Callbacks._fields_)
+    _callbacks = _Callbacks(
+        fields["synchronize_device"](_reporting(hooks.synchronize)),
+        fields["record_event"](_reporting(hooks.record_event)),
+        fields["query_event"](_reporting(lambda event: int(hooks.query_event(event)))),
+        fields["synchronize_event"](_reporting(hooks.synchronize_event)),
+        fields["destroy_event"](hooks.destroy_event),
+        fields["memory_stats"](_reporting(_pair(hooks.memory_stats))),
+        fields["reset_peak_memory_stats"](_reporting(hooks.reset_peak_memory_stats)),
+        fields["empty_cache"](_reporting(hooks.empty_cache)),
+        fields["memory_info"](_reporting(_pair(hooks.memory_info))),
+    )
+    _library.torchtpu_set_runtime_callbacks(ctypes.byref(_callbacks))
 
 
 def set_device_count(count: int) -> None:

@@ -42,3 +42,60 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="expects a torch.tpu.Stream or None"):
         with torch.tpu.stream(torch.cpu.Stream()):
             pass
+
+
+def _pending_product() -> torch.Tensor:
+    """A tpu tensor whose program (~0.3 s of matmuls) is still running when this returns; every
+    element is exactly 1/2048 (powers of two are exact at any matmul precision)."""
+    from torchtpu.exec import memory
+
+    a = torch.full((2048, 2048), 1.0 / 2048).to("tpu:0")
+    product = a @ a @ a
+    assert not memory.to_array(product).is_ready()  # else the tests below would test nothing
+    return product
+
+
+@pytest.mark.parametrize("make", [lambda: torch.Event(device="tpu"), lambda: torch.tpu.Event()])
+def test_an_event_completes_once_the_work_issued_before_it_has(make):
+    from torchtpu.exec import memory
+
+    event = make()
+    assert event.query()  # never recorded
+    event.record()  # once on an idle device: its first call's costs would outlast the product
+    event.synchronize()
+    torch.ones(2, device="tpu:0")  # compiled now, so that issuing it below takes no time
+    product = _pending_product()
+    event.record()
+    later = torch.ones(2, device="tpu:0")  # issued after the record: not waited for
+    assert not event.query()
+    event.synchronize()
+    assert event.query() and memory.to_array(product).is_ready()
+    assert later.cpu().tolist() == [1.0, 1.0]
+
+
+def test_an_event_reports_a_device_side_error_and_has_no_clock():
+    from torchtpu.exec.checks import DeviceCheckError
+
+    torch.arange(4.0).to("tpu:0")[torch.tensor([1, 4]).to("tpu:0")]  # out of range: found on the device
+    event = torch.tpu.Event(enable_timing=True)
+    event.record()
+    with pytest.raises(RuntimeError, match=f"{DeviceCheckError.__name__}: .*index out of range"):
+        event.synchronize()
+    end = torch.tpu.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    with pytest.raises(RuntimeError, match="tpu events carry no device clock"):
+        event.elapsed_time(end)
+
+
+def test_torch_streams_of_tpu_are_the_device_queue():
+    stream = torch.Stream(device="tpu")
+    assert stream == torch.accelerator.current_stream() and stream.device_index == torch.tpu.current_device()
+    assert stream.query()  # an idle device (and the query's first-call costs paid)
+    product = _pending_product()
+    assert not stream.query()
+    stream.synchronize()
+    assert stream.query()
+    product.record_stream(stream)  # nothing to record: buffers outlive the programs reading them
+    stream.wait_event(torch.Event(device="tpu"))
+    torch.testing.assert_close(product.cpu(), torch.full((2048, 2048), 1.0 / 2048))

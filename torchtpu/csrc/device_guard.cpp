@@ -1,14 +1,16 @@
-// The tpu device guard (the current device of each thread, and the device count), the
-// PrivateUse1 hooks, and the PrivateUse1 allocator (see TpuAllocator).
+// The tpu device guard (the current device of each thread, the device count, streams and
+// events), the PrivateUse1 hooks, and the PrivateUse1 allocator (see TpuAllocator).
 //
 // PyTorch's Python PrivateUse1 device guard reports exactly one device and ignores set_device, so
 // the autograd engine sizes its per-device ready queues for tpu:0 only and a backward pass on
-// tpu:1 fails an internal assert. Its Python hooks cannot give a pinned-memory allocator, which
-// PyTorch asks of the device for host staging buffers (DDP's reducer, non_blocking copies to the
-// host). Nor does it give an allocator: `torch.UntypedStorage(n, device="tpu")` crashed on a null
-// one, and `torch.accelerator`'s memory functions failed an internal assert. Guard and hooks are
-// registered for PrivateUse1 before the Python ones (registration is first-wins). torchtpu/device_guard.py builds and loads it (the eager fast path's C++ is
-// fast_dispatch.cpp, a library of its own).
+// tpu:1 fails an internal assert; it has no events, streams or device synchronisation either
+// (`torch.Event(device="tpu")`, `torch.accelerator.synchronize()` failed). Its Python hooks
+// cannot give a pinned-memory allocator, which PyTorch asks of the device for host staging
+// buffers (DDP's reducer, non_blocking copies to the host). Nor does it give an allocator:
+// `torch.UntypedStorage(n, device="tpu")` crashed on a null one, and `torch.accelerator`'s memory
+// functions failed an internal assert. Guard and hooks are registered for PrivateUse1 before the
+// Python ones (registration is first-wins). torchtpu/device_guard.py builds and loads this
+// library (the eager fast path's C++ is fast_dispatch.cpp, a library of its own).
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -23,10 +25,54 @@ namespace {
 std::atomic<c10::DeviceIndex> device_count{1};
 thread_local c10::DeviceIndex current_index = 0;
 
-// `torch.tpu.synchronize(device)`, passed in from Python (a ctypes function, which takes the GIL):
-// 0 when it returned, else its error's message written into `error` (of `size` bytes).
-using SynchronizeFn = int (*)(int device, char* error, size_t size);
-std::atomic<SynchronizeFn> synchronize_device{nullptr};
+// What the Python runtime does for PyTorch's device API -- synchronisation, events, memory
+// figures -- passed in as ctypes functions, which take the GIL (torchtpu/device_guard.py). Each
+// returns a negative number when its Python code raised, with the error's message written into
+// `error` (of `size` bytes); an event is the id the runtime gave it when first recorded.
+using DeviceFn = int (*)(int device, char* error, size_t size);
+using RecordFn = int64_t (*)(int device, int64_t event, char* error, size_t size);
+using EventFn = int (*)(int64_t event, char* error, size_t size);  // query: 1 or 0; synchronize: 0
+using DestroyFn = void (*)(int64_t event);
+using BytesFn = int (*)(int device, int64_t* first, int64_t* second, char* error, size_t size);
+using ReleaseFn = int (*)(char* error, size_t size);
+
+struct RuntimeCallbacks {
+  DeviceFn synchronize_device;
+  RecordFn record_event;
+  EventFn query_event;
+  EventFn synchronize_event;
+  DestroyFn destroy_event;
+  BytesFn memory_stats;  // (allocated, peak) bytes
+  DeviceFn reset_peak_memory_stats;
+  ReleaseFn empty_cache;
+  BytesFn memory_info;  // (free, total) bytes
+};
+
+std::atomic<const RuntimeCallbacks*> runtime_callbacks{nullptr};
+
+const RuntimeCallbacks& runtime() {
+  const RuntimeCallbacks* callbacks = runtime_callbacks.load();
+  TORCH_CHECK(callbacks != nullptr, "the tpu runtime has not registered itself with the device guard (import torchtpu)");
+  return *callbacks;
+}
+
+// The result of `call(error, size)`, or its error raised as a RuntimeError.
+template <typename Call>
+auto checked(Call call) {
+  char error[1024] = {0};
+  auto result = call(error, sizeof(error));
+  TORCH_CHECK(result >= 0, error);
+  return result;
+}
+
+// `device`, its index resolved to the current device where none is given ("tpu").
+c10::Device resolved(c10::Device device) {
+  return device.has_index() ? device : c10::Device(c10::DeviceType::PrivateUse1, current_index);
+}
+
+int64_t event_id(void* event) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(event));
+}
 
 struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
@@ -55,8 +101,29 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
       current_index = device.index();
     }
   }
+  // A device runs what is issued to it as one queue (torchtpu/streams.py): every stream of a
+  // device is that queue.
   c10::Stream getStream(c10::Device device) const override {
-    return c10::Stream(c10::Stream::DEFAULT, device);
+    return c10::Stream(c10::Stream::DEFAULT, resolved(device));
+  }
+  c10::Stream getDefaultStream(c10::Device device) const override {
+    return c10::Stream(c10::Stream::DEFAULT, resolved(device));
+  }
+  c10::Stream getNewStream(c10::Device device, int priority) const override {
+    return c10::Stream(c10::Stream::DEFAULT, resolved(device));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool high_priority) const override {
+    return c10::Stream(c10::Stream::DEFAULT, resolved(device));
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    void* event = nullptr;
+    record(&event, stream, stream.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
+    bool done = queryEvent(event);
+    destroyEvent(event, stream.device_index());
+    return done;
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    synchronizeDevice(resolved(stream.device()).index());
   }
   c10::Stream exchangeStream(c10::Stream stream) const override {
     return c10::Stream(c10::Stream::DEFAULT, stream.device());
@@ -66,10 +133,40 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
   }
   // `torch.accelerator.synchronize()`: everything issued to the device has finished.
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
-    SynchronizeFn synchronize = synchronize_device.load();
-    TORCH_CHECK(synchronize != nullptr, "the tpu runtime has not registered its synchronize yet (import torchtpu)");
-    char error[1024] = {0};
-    TORCH_CHECK(synchronize(device_index < 0 ? current_index : device_index, error, sizeof(error)) == 0, error);
+    int device = device_index < 0 ? current_index : device_index;
+    checked([&](char* error, size_t size) { return runtime().synchronize_device(device, error, size); });
+  }
+  // Events (torchtpu/events.py): a marker of the work issued to the device when recorded.
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    int64_t id = event_id(*event);
+    id = checked([&](char* error, size_t size) {
+      return runtime().record_event(resolved(stream.device()).index(), id, error, size);
+    });
+    *event = reinterpret_cast<void*>(static_cast<intptr_t>(id));
+  }
+  // Work on tpu values waits for the work that produces them: a stream has nothing to wait for.
+  void block(void* event, const c10::Stream& stream) const override {}
+  bool queryEvent(void* event) const override {
+    if (event == nullptr) {
+      return true;  // never recorded
+    }
+    return checked([&](char* error, size_t size) { return runtime().query_event(event_id(event), error, size); }) == 1;
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) {
+      checked([&](char* error, size_t size) { return runtime().synchronize_event(event_id(event), error, size); });
+    }
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex device_index) const noexcept override {
+    const RuntimeCallbacks* callbacks = runtime_callbacks.load();
+    if (event != nullptr && callbacks != nullptr) {
+      callbacks->destroy_event(event_id(event));
+    }
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex device_index) const override {
+    TORCH_CHECK(false, "tpu events carry no device clock, so elapsed_time cannot be measured: time a region "
+                "with torch.tpu.synchronize() and time.perf_counter() around it");
   }
 };
 
@@ -145,22 +242,6 @@ const bool hooks_registered = [] {
   return true;
 }();
 
-// What torchtpu.device reports of device memory, passed in as callbacks (ctypes functions, which
-// take the GIL): the bytes of live tpu storages are counted in Python (torchtpu.storage).
-using MemoryStatsFn = void (*)(int device, int64_t* allocated, int64_t* peak);
-using DeviceFn = void (*)(int device);
-using EmptyCacheFn = void (*)();
-using MemoryInfoFn = void (*)(int device, int64_t* free, int64_t* total);
-
-struct MemoryCallbacks {
-  MemoryStatsFn stats = nullptr;
-  DeviceFn reset_peak = nullptr;
-  EmptyCacheFn empty_cache = nullptr;
-  MemoryInfoFn memory_info = nullptr;
-};
-
-std::atomic<const MemoryCallbacks*> memory_callbacks{nullptr};
-
 // The PrivateUse1 allocator PyTorch asks for tpu storage (`torch.UntypedStorage(n,
 // device="tpu")`) and for the device-generic memory API (`torch.accelerator.memory_allocated`,
 // `empty_cache`, ...). A tpu storage holds no host data: its device data is a PJRT buffer that
@@ -181,25 +262,17 @@ class TpuAllocator final : public c10::DeviceAllocator {
                 "copy tpu tensors (or move them to the cpu) instead of copying their storage's bytes");
   }
   bool initialized() override {
-    return memory_callbacks.load() != nullptr;
+    return runtime_callbacks.load() != nullptr;
   }
   void emptyCache(c10::MempoolId_t mempool_id) override {
-    if (const MemoryCallbacks* callbacks = memory_callbacks.load()) {
-      callbacks->empty_cache();
-    }
+    checked([&](char* error, size_t size) { return runtime().empty_cache(error, size); });
   }
   void recordStream(const at::DataPtr& ptr, c10::Stream stream) override {}
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    int64_t allocated = 0;
+    int64_t peak = 0;
+    checked([&](char* error, size_t size) { return runtime().memory_stats(device, &allocated, &peak, error, size); });
     c10::CachingDeviceAllocator::DeviceStats stats;
-    const MemoryCallbacks* callbacks = memory_callbacks.load();
-    if (callbacks == nullptr) {
-      return stats;
-    }
-    int64_t allocated = -1;  // left so if the callback raised (ctypes prints its error)
-    int64_t peak = -1;
-    callbacks->stats(device, &allocated, &peak);
-    TORCH_CHECK(allocated >= 0 && peak >= 0, "torchtpu could not count tpu:", static_cast<int>(device),
-                "'s memory (its Python error is printed above)");
     for (auto* bytes : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
                         &stats.requested_bytes}) {
       auto& all = (*bytes)[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
@@ -210,18 +283,12 @@ class TpuAllocator final : public c10::DeviceAllocator {
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {}
   void resetPeakStats(c10::DeviceIndex device) override {
-    if (const MemoryCallbacks* callbacks = memory_callbacks.load()) {
-      callbacks->reset_peak(device);
-    }
+    checked([&](char* error, size_t size) { return runtime().reset_peak_memory_stats(device, error, size); });
   }
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
-    const MemoryCallbacks* callbacks = memory_callbacks.load();
-    TORCH_CHECK(callbacks != nullptr, "the tpu runtime has not registered its memory figures yet (import torchtpu)");
-    int64_t free = -1;
-    int64_t total = -1;
-    callbacks->memory_info(device, &free, &total);
-    TORCH_CHECK(free >= 0 && total >= 0, "torchtpu could not read tpu:", static_cast<int>(device),
-                "'s free and total memory (its Python error is printed above)");
+    int64_t free = 0;
+    int64_t total = 0;
+    checked([&](char* error, size_t size) { return runtime().memory_info(device, &free, &total, error, size); });
     return {static_cast<size_t>(free), static_cast<size_t>(total)};
   }
 };
@@ -253,13 +320,8 @@ void torchtpu_set_current_device(int index) {
   current_index = static_cast<c10::DeviceIndex>(index);
 }
 
-void torchtpu_set_synchronize(SynchronizeFn synchronize) {
-  synchronize_device.store(synchronize);
-}
-
-void torchtpu_set_memory_callbacks(MemoryStatsFn stats, DeviceFn reset_peak, EmptyCacheFn empty_cache,
-                                   MemoryInfoFn memory_info) {
-  memory_callbacks.store(new MemoryCallbacks{stats, reset_peak, empty_cache, memory_info});
+void torchtpu_set_runtime_callbacks(const RuntimeCallbacks* callbacks) {
+  runtime_callbacks.store(new RuntimeCallbacks(*callbacks));
 }
 
 }  // extern "C"

@@ -279,6 +279,7 @@ _MEMORY_KERNELS = {
     aten.set_.default: memory.set_empty,
     aten._local_scalar_dense.default: memory.local_scalar_dense,
     aten._has_compatible_shallow_copy_type.default: memory.has_compatible_shallow_copy_type,
+    aten.record_stream.default: memory.record_stream,
 }
 
 

@@ -324,3 +324,9 @@ def has_compatible_shallow_copy_type(t: torch.Tensor, source: torch.Tensor) -> b
     tied weights stay tied and optimizers keep their references (PyTorch's own rule only admits
     the built-in backends, and a PrivateUse1 backend answers for itself)."""
     return t.layout == torch.strided and source.layout == torch.strided
+
+
+def record_stream(t: torch.Tensor, stream) -> None:
+    """`t.record_stream(stream)`: nothing to record. A device runs one queue, and a device
+    buffer is not freed while a program still reads it (PJRT holds it until then), so no stream
+    can see `t`'s memory reused early."""

@@ -75,12 +75,10 @@ def destroy(event: int) -> None:
     _events.pop(event, None)
 
 
-class Event(torch.Event):
-    """`torch.Event` of the current tpu device, as `torch.cuda.Event` is of the current GPU.
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+    """`torch.Event` of the current tpu device (as `torch.cuda.Event` is of the current GPU).
     `enable_timing` is accepted, but `elapsed_time` raises: tpu events carry no device clock."""
+    from torchtpu import device_guard
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
-        from torchtpu import device_guard
-
-        return super().__new__(cls, torch.device("tpu", device_guard.current_device()), enable_timing=enable_timing,
-                               blocking=blocking, interprocess=interprocess)
+    return torch.Event(torch.device("tpu", device_guard.current_device()), enable_timing=enable_timing,
+                       blocking=blocking, interprocess=interprocess)

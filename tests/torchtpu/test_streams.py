@@ -60,7 +60,6 @@ def test_an_event_completes_once_the_work_issued_before_it_has(make):
     from torchtpu.exec import memory
 
     event = make()
-    assert isinstance(event, torch.Event) and event.device.type == "tpu"
     assert event.query()  # never recorded
     event.record()  # once on an idle device: its first call's costs would outlast the product
     event.synchronize()

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the tables' fused optimizer")
     parser.add_argument("--precision", choices=["default", "high", "highest"], default="default",
                         help="tpu matmul precision (default: bf16 products, as a TPU computes them)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="forward passes under torch.autocast('tpu'): bfloat16 activations, float32 loss")
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes to spawn on this machine (each drives one tpu device)")
     parser.add_argument("--eval-every", type=int, default=0,
@@ -86,6 +88,7 @@ def _job(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         precision=args.precision,
+        autocast=args.autocast,
         progress=args.progress,
     )
     training = build(config, seed=args.seed)

@@ -34,7 +34,7 @@ def evaluate(forward: Forward, batches: Sequence[PreparedBatch], step: int) -> E
     auc, log_loss = BinaryAUROC(), MeanMetric()
     with torch.no_grad():
         for batch in batches:
-            logits = forward(batch.dense, batch.sparse).squeeze(-1).cpu()
+            logits = forward(batch.dense, batch.sparse).squeeze(-1).float().cpu()  # bfloat16 under autocast
             labels = batch.labels.cpu()
             auc.update(torch.sigmoid(logits), labels.to(torch.int64))
             losses = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")

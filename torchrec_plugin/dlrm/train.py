@@ -69,7 +69,9 @@ class BatchSource(Protocol):
 @dataclass(frozen=True)
 class TrainOptions:
     """`steps`: the last step to run. `eval_every` / `checkpoint_every`: 0 means only at the end.
-    `precision`: the tpu matmul precision (`default` multiplies in bf16, as a TPU does)."""
+    `precision`: the tpu matmul precision (`default` multiplies in bf16, as a TPU does).
+    `autocast`: forward passes (training and held-out) under `torch.autocast("tpu")`: activations
+    of the matmuls in bfloat16, the loss in float32; backward and optimizer steps outside it."""
 
     steps: int
     mode: str = "defer"
@@ -81,6 +83,7 @@ class TrainOptions:
     log_every: int = 10
     prefetch_depth: int = 2
     precision: str = "default"
+    autocast: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -189,7 +192,7 @@ def _run(
     timer = _Timer(loader)
     for step, batch in enumerate(loader, summary.start_step + 1):
         with _LAUNCHES:
-            pending.append(_train_step(training, forward, batch, summary.processes))
+            pending.append(_train_step(training, forward, batch, summary.processes, options.autocast))
         last = step == options.steps
         if step - summary.start_step == WARMUP_STEPS:
             _flush(pending, summary)
@@ -202,7 +205,7 @@ def _run(
                 progress.set_postfix(loss=f"{summary.losses[-1]:.4f}", ex_s=f"{timer.rate(summary):,.0f}")
         if (options.eval_every and step % options.eval_every == 0) or last:
             _flush(pending, summary)
-            with timer.paused(), _LAUNCHES:
+            with timer.paused(), _LAUNCHES, torch.autocast("tpu", enabled=options.autocast):
                 summary.evaluations.append(evaluate(forward, held_out, step))
             if progress is not None:
                 progress.write(_describe(summary.evaluations[-1]))
@@ -221,9 +224,11 @@ def _run(
         progress.close()
 
 
-def _train_step(training: DLRMTraining, forward, batch: PreparedBatch, processes: int) -> torch.Tensor:
-    logits = forward(batch.dense, batch.sparse).squeeze(-1)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+def _train_step(training: DLRMTraining, forward, batch: PreparedBatch, processes: int,
+                autocast: bool) -> torch.Tensor:
+    with torch.autocast("tpu", enabled=autocast):
+        logits = forward(batch.dense, batch.sparse).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
     training.dense_optimizer.zero_grad()
     loss.backward()
     if processes > 1:

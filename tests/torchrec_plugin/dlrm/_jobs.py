@@ -124,22 +124,23 @@ def _local(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{key}@{shard.metadata.shard_offsets}": shard.tensor.detach().cpu() for shard in value.local_shards()}
 
 
-def cpu_parity(out: str, steps: int, mode: str) -> None:
-    launch.run(_cpu_parity, out, steps, mode)
+def cpu_parity(out: str, steps: int, mode: str, autocast: bool = False) -> None:
+    launch.run(_cpu_parity, out, steps, mode, autocast)
 
 
-def _cpu_parity(out: str, steps: int, mode: str) -> None:
+def _cpu_parity(out: str, steps: int, mode: str, autocast: bool) -> None:
     """Losses of the job on tpu at the `highest` precision and of plain TorchRec on CPU, from the
-    same seed on the same batches."""
+    same seed on the same batches; with `autocast`, each forward under its device's autocast."""
     source = SyntheticCriteo(TINY, seed=3)
     training = build(TINY, seed=3)
     cpu_model, cpu_optimizer = reference(TINY, seed=3)
-    summary = train(training, source, _options(steps, mode, precision="highest"))
+    summary = train(training, source, _options(steps, mode, precision="highest", autocast=autocast))
     expected = []
     for step in range(1, steps + 1):
         batch = source.train_batch(step)
-        logits = cpu_model(batch.dense_features, batch.sparse_features).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        with torch.autocast("cpu", enabled=autocast):
+            logits = cpu_model(batch.dense_features, batch.sparse_features).squeeze(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
         cpu_optimizer.zero_grad()
         loss.backward()
         cpu_optimizer.step()

@@ -19,21 +19,20 @@ import torch
 __all__ = ["Stream", "current_stream", "default_stream", "stream"]
 
 
-class Stream:
-    """The queue of tpu device `device` (default: the current device). `priority` is accepted
-    for CUDA-style callers; one queue has no priorities."""
+class Stream(torch.Stream):
+    """The queue of tpu device `device` (default: the current device): a `torch.Stream`, so
+    `Tensor.record_stream` and `torch.Event.wait`/`record` take it. `priority` is accepted for
+    CUDA-style callers; one queue has no priorities."""
 
     device_type = "tpu"
 
-    def __init__(self, device: int | str | torch.device | None = None, priority: int = 0) -> None:
+    def __new__(cls, device: int | str | torch.device | None = None, priority: int = 0) -> Stream:
         from torchtpu import device as tpu
 
-        self.device = torch.device("tpu", tpu._index(device))
-        self.priority = priority
+        return super().__new__(cls, device=torch.device("tpu", tpu._index(device)), priority=priority)
 
-    @property
-    def device_index(self) -> int:
-        return self.device.index
+    def __init__(self, device: int | str | torch.device | None = None, priority: int = 0) -> None:
+        self.priority = priority
 
     def synchronize(self) -> None:
         """Wait until everything issued to the device has finished."""
@@ -41,22 +40,20 @@ class Stream:
 
         tpu.synchronize(self.device)
 
-    def wait_stream(self, stream: Stream) -> None:
+    def wait_stream(self, stream: torch.Stream) -> None:
         """Order this stream after `stream`: already so on one device's queue. Streams of two
         devices have no order between them, so that is an error."""
-        if not isinstance(stream, Stream):
-            raise TypeError(f"wait_stream expects a torch.tpu.Stream, got {type(stream).__name__}")
+        _check_is_tpu_stream("wait_stream", stream)
         if stream.device != self.device:
             raise ValueError(f"a stream of {self.device} cannot wait for a stream of {stream.device}")
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Stream) and other.device == self.device
-
-    def __hash__(self) -> int:
-        return hash(self.device)
-
     def __repr__(self) -> str:
         return f"torch.tpu.Stream(device={self.device})"
+
+
+def _check_is_tpu_stream(caller: str, stream: object) -> None:
+    if not isinstance(stream, torch.Stream) or stream.device.type != "tpu":
+        raise TypeError(f"{caller} expects a torch.tpu.Stream (or another tpu torch.Stream), got {stream!r}")
 
 
 def current_stream(device: int | str | torch.device | None = None) -> Stream:
@@ -76,8 +73,7 @@ def stream(stream: Stream | None) -> Iterator[None]:
     if stream is None:
         yield
         return
-    if not isinstance(stream, Stream):
-        raise TypeError(f"torch.tpu.stream expects a torch.tpu.Stream or None, got {type(stream).__name__}")
+    _check_is_tpu_stream("torch.tpu.stream", stream)
     from torchtpu import device as tpu
 
     with tpu.device(stream.device):

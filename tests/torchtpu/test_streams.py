@@ -39,7 +39,7 @@ def test_bad_arguments():
         torch.tpu.Stream(0).wait_stream(torch.tpu.Stream(1))
     with pytest.raises(TypeError, match="expects a torch.tpu.Stream"):
         torch.tpu.Stream(0).wait_stream(torch.cpu.Stream())
-    with pytest.raises(TypeError, match="expects a torch.tpu.Stream or None"):
+    with pytest.raises(TypeError, match="torch.tpu.stream expects a torch.tpu.Stream"):
         with torch.tpu.stream(torch.cpu.Stream()):
             pass
 
@@ -86,6 +86,16 @@ def test_an_event_reports_a_device_side_error_and_has_no_clock():
     end.synchronize()
     with pytest.raises(RuntimeError, match="tpu events carry no device clock"):
         event.elapsed_time(end)
+
+
+def test_torch_tpu_streams_are_torch_streams():
+    stream = torch.tpu.current_stream()
+    assert isinstance(stream, torch.Stream) and stream == torch.accelerator.current_stream()
+    x = torch.ones(3, device="tpu")
+    x.record_stream(stream)  # as code written for CUDA streams calls it
+    stream.wait_stream(torch.Stream(device="tpu"))
+    with torch.tpu.stream(torch.accelerator.current_stream()):
+        assert x.cpu().tolist() == [1.0, 1.0, 1.0]
 
 
 def test_torch_streams_of_tpu_are_the_device_queue():

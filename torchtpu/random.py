@@ -37,12 +37,18 @@ def _generator(device: int) -> _Generator:
     return gen
 
 
-def next_key_words(device: int) -> np.ndarray:
-    """The key input for one random op on `device`: uint32 [seed_hi, seed_lo, off_hi, off_lo]."""
-    gen = _generator(device)
-    offset = gen.offset
-    gen.offset += 1
-    seed = gen.seed & 0xFFFFFFFFFFFFFFFF
+def next_key_words(device: int, generator: torch.Generator | None = None) -> np.ndarray:
+    """The key input for one random op on `device`: uint32 [seed_hi, seed_lo, off_hi, off_lo],
+    from the device's generator, or from `generator` (a `torch.Generator(device="tpu")`, whose
+    C++ state is the same (seed, offset) pair: torchtpu/csrc/device_guard.cpp)."""
+    if generator is None:
+        gen = _generator(device)
+        seed, offset = gen.seed, gen.offset
+        gen.offset += 1
+    else:
+        seed, offset = generator.initial_seed(), generator.get_offset()
+        generator.set_offset(offset + 1)
+    seed &= 0xFFFFFFFFFFFFFFFF
     return np.array([seed >> 32, seed & 0xFFFFFFFF, offset >> 32, offset & 0xFFFFFFFF], np.uint32)
 
 

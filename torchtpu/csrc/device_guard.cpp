@@ -11,12 +11,16 @@
 // functions failed an internal assert. Guard and hooks are registered for PrivateUse1 before the
 // Python ones (registration is first-wins). torchtpu/device_guard.py builds and loads this
 // library (the eager fast path's C++ is fast_dispatch.cpp, a library of its own).
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/GeneratorImpl.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <unordered_set>
 
@@ -219,6 +223,60 @@ std::mutex StagingAllocator::mutex_;
 std::unordered_set<const void*> StagingAllocator::live_;
 StagingAllocator staging_allocator;
 
+// A tpu generator (`torch.Generator(device="tpu")`): a (seed, offset) pair, as each device's own
+// generator is (torchtpu/random.py). A random op given it takes the key of its offset and moves
+// the offset on by one (`random.next_key_words`); nothing here draws numbers.
+class TpuGenerator final : public c10::GeneratorImpl {
+ public:
+  explicit TpuGenerator(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  uint64_t current_seed() const override {
+    return seed_;
+  }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+  void set_offset(uint64_t offset) override {
+    offset_ = offset;
+  }
+  uint64_t get_offset() const override {
+    return offset_;
+  }
+  // The state is 16 bytes, the seed then the offset, as `torch.tpu.get_rng_state()`'s.
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.device().is_cpu() && state.dtype() == caffe2::TypeMeta::Make<uint8_t>() && state.numel() == 16,
+                "a tpu generator's state is a CPU uint8 tensor of 16 bytes (from its get_state())");
+    const auto* bytes = static_cast<const char*>(state.data());
+    std::memcpy(&seed_, bytes, sizeof seed_);
+    std::memcpy(&offset_, bytes + sizeof seed_, sizeof offset_);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    at::Tensor state = at::empty({16}, at::kByte);
+    std::memcpy(state.data_ptr(), &seed_, sizeof seed_);
+    std::memcpy(static_cast<char*>(state.data_ptr()) + sizeof seed_, &offset_, sizeof offset_);
+    return state.getIntrusivePtr();
+  }
+  static c10::DeviceType device_type() {
+    return c10::DeviceType::PrivateUse1;
+  }
+
+ private:
+  TpuGenerator* clone_impl() const override {
+    auto* copy = new TpuGenerator(device().index());
+    copy->seed_ = seed_;
+    copy->offset_ = offset_;
+    return copy;
+  }
+  uint64_t seed_ = c10::default_rng_seed_val;
+  uint64_t offset_ = 0;
+};
+
 struct TpuHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
     return true;
@@ -234,6 +292,9 @@ struct TpuHooks final : public at::PrivateUse1HooksInterface {
   }
   bool isPinnedPtr(const void* data) const override {
     return staging_allocator.owns(data);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex device_index) const override {
+    return at::make_generator<TpuGenerator>(device_index < 0 ? current_index : device_index);
   }
 };
 

@@ -234,7 +234,7 @@ class Inputs:
 class Call(Inputs):
     """One ATen call's runtime side: the buffers and values to feed its Program."""
 
-    __slots__ = ("op", "sig", "values", "key", "lowering", "plan")
+    __slots__ = ("op", "sig", "values", "key", "lowering", "plan", "generator")
     dynamic_offsets = True
 
     def __init__(self, op: OpOverload, sig: Signature, values: list, lowering) -> None:
@@ -245,6 +245,7 @@ class Call(Inputs):
         self.lowering = lowering
         self.key: tuple = ()
         self.plan: Plan | None = None
+        self.generator: torch.Generator | None = None  # a tpu generator the call draws from
 
     def build(self) -> "Program":
         return build(self)
@@ -266,7 +267,7 @@ def encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Lowerin
     if call.dynamic:
         _validate_values(call)
     if lowering.random:
-        call.dynamic.append(tpu_random.next_key_words(call.device))
+        call.dynamic.append(tpu_random.next_key_words(call.device, call.generator))
     return call
 
 
@@ -370,13 +371,15 @@ class Encoder:
         call.storages = plan.storages
         call.dynamic = dynamic
         call.device = plan.device
+        call.generator = None
         if dynamic:
             kind = values_class(_scalars(dynamic, plan.offsets))
             if kind not in plan.value_classes:
                 _run_meta(call)
                 plan.value_classes.add(kind)
         if self.lowering.random:
-            dynamic.append(tpu_random.next_key_words(plan.device))
+            call.generator = next((v for v in values if _is_tpu_generator(v)), None)
+            dynamic.append(tpu_random.next_key_words(plan.device, call.generator))
         return call
 
     def _layout(self, values: list) -> tuple[tuple, list, list]:
@@ -409,7 +412,7 @@ class Encoder:
                     offset = _dynamic_offset(dynamic, offset, v.shape, strides, learn=False)
                 parts.append((index, v.dtype, v.shape, strides, offset, v.is_conj(), v.is_neg()))
             elif kind is _STATIC:
-                parts.append(_freeze(v) if isinstance(v, (list, tuple)) else v)
+                parts.append(None if _is_tpu_generator(v) else _freeze(v) if isinstance(v, (list, tuple)) else v)
             elif kind is _SCALAR:
                 if not dynamic_scalars or (has_default and v == default and type(v) is type(default)):
                     parts.append((type(v), v))
@@ -498,6 +501,9 @@ def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Loweri
             encoded.append(_freeze(v) if arg.has_default and v == arg.default and type(v) is type(arg.default) else scalar(v))
         elif kind is ArgKind.SCALAR_LIST:
             encoded.append(None if v is None else tuple(scalar(s) for s in v))
+        elif _is_tpu_generator(v):
+            call.generator = v  # keyed as no generator: one program serves every generator
+            encoded.append(None)
         else:
             encoded.append(_freeze(v))
     if call.device is None:
@@ -506,6 +512,13 @@ def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Loweri
             call.device = current_device()
     call.key = (op, precision.get_mode(), call.device, tuple(call.storages), tuple(encoded))
     return call
+
+
+def _is_tpu_generator(v) -> bool:
+    """Whether `v` is a `torch.Generator(device="tpu")`: its calls draw their random key from it
+    (`random.next_key_words`) instead of the device's generator. Other generators stay in the key,
+    where the random lowerings refuse them."""
+    return isinstance(v, torch.Generator) and v.device.type == "tpu"
 
 
 def _is_host_vector(v) -> bool:
@@ -688,6 +701,8 @@ def meta_values(call_key: tuple, values: list) -> list:
             return type(v)(conv(e, x) for e, x in zip(enc, v))
         if isinstance(v, torch.device) and v.type == "tpu":
             return torch.device("meta")
+        if _is_tpu_generator(v):
+            return None  # the meta kernel draws nothing
         return v
 
     return [conv(e, v) for e, v in zip(encoded, values)]

@@ -8,8 +8,8 @@ a new draw never recompiles. Distribution parameters are runtime inputs too (`dy
 The streams are JAX's, not PyTorch's (no backend reproduces CPU bits); the distributions are
 ATen's, including their transformations of uniform bits (`random_`'s modulo reduction) and
 their parameter conventions. Low-precision outputs are sampled in float32 and rounded.
-Explicit `torch.Generator` objects are CPU generators and are refused: tpu ops draw from the
-device generator. Value checks ATen does on tensor data (negative probabilities, negative
+An explicit `torch.Generator(device="tpu")` is a (seed, offset) pair of its own that the call
+draws its key from instead (other devices' generators are refused). Value checks ATen does on tensor data (negative probabilities, negative
 `std`) would need a host sync and are not done.
 """
 
@@ -28,11 +28,12 @@ aten = torch.ops.aten
 
 
 def _check_generator(ctx, generator) -> None:
+    """A tpu generator reaches no lowering (the call draws its key from it and is keyed as having
+    none, `opcall._is_tpu_generator`): any generator here is another device's."""
     if generator is not None:
         raise RuntimeError(
-            f"{ctx.op}: expected a 'tpu' device type for generator but found '{generator.device}'; "
-            f"tpu ops draw from the device generator (seed it with torch.manual_seed or "
-            f"torch.tpu.manual_seed)"
+            f"{ctx.op}: expected a 'tpu' device type for generator but found '{generator.device}' "
+            f"(pass torch.Generator(device='tpu'), or none to draw from the device's generator)"
         )
 
 

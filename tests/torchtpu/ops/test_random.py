@@ -201,10 +201,37 @@ def test_draws_and_new_parameters_do_not_recompile():
 
 
 def test_explicit_cpu_generator_is_refused_with_a_clear_error():
-    with pytest.raises(RuntimeError, match="generator"):
+    with pytest.raises(RuntimeError, match="expected a 'tpu' device type for generator but found 'cpu'"):
         torch.rand(3, device="tpu", generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match="generator"):
+    with pytest.raises(RuntimeError, match="expected a 'tpu' device type for generator"):
         _empty(3).uniform_(generator=torch.Generator())
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_a_tpu_generator_is_a_stream_of_its_own(mode):
+    """`torch.Generator(device="tpu")`: seeded alike, its stream is the device generator's (the
+    same (seed, offset) pair); drawing from it leaves the device's generator where it was; its
+    state restores its stream; one program serves it and the device's generator."""
+    with torchtpu.eager_mode(mode):
+        torch.tpu.manual_seed(7)
+        expected = [torch.randn(5, device="tpu").cpu(), _empty(4).uniform_(-1.0, 1.0).cpu()]
+        device_state = torch.tpu.get_rng_state()
+        generator = torch.Generator(device="tpu").manual_seed(7)
+        assert generator.device == torch.device("tpu", torch.tpu.current_device())
+        drawn = [torch.randn(5, device="tpu", generator=generator).cpu(),
+                 _empty(4).uniform_(-1.0, 1.0, generator=generator).cpu()]
+        assert all(torch.equal(a, b) for a, b in zip(drawn, expected))
+        assert generator.get_offset() == 2 and torch.equal(torch.tpu.get_rng_state(), device_state)
+        compiled = "eager_programs" if mode == "strict" else "defer_compiles"
+        programs = torchtpu.metrics().get(compiled, 0)
+        torch.randn(5, device="tpu", generator=torch.Generator(device="tpu")).cpu()
+        assert torchtpu.metrics().get(compiled, 0) == programs  # none compiled per generator
+        state = generator.get_state()
+        first = torch.rand(3, device="tpu", generator=generator).cpu()
+        generator.set_state(state)
+        assert torch.equal(torch.rand(3, device="tpu", generator=generator).cpu(), first)
+        other = torch.Generator(device="tpu").manual_seed(8)
+        assert not torch.equal(torch.rand(3, device="tpu", generator=other).cpu(), first)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,9 @@ def test_freezes_when_told_and_unfreezes_on_exit():
         assert frozen > 0
         keep = [[] for _ in range(100)]
         after_warmup()  # once only: objects made since stay collectable
-        assert gc.get_freeze_count() == frozen
+        # Freezing again would add the 101 objects of `keep`; frozen objects may still die by
+        # reference count (a CI run saw 2 go), as in the test below.
+        assert frozen - 100 < gc.get_freeze_count() <= frozen
         del keep
     assert gc.get_freeze_count() == 0
 

@@ -87,19 +87,10 @@ def device(device: int | str | torch.device) -> Iterator[None]:
 
 def synchronize(device: int | str | torch.device | None = None) -> None:
     """Wait until every op queued so far has finished (runs everything pending in defer mode)."""
-    from torchtpu.exec import deferred
-
-    deferred.flush("synchronize")
-    import jax
-
     from torchtpu.exec import checks
 
-    if not runtime.is_started():
-        return
-    target = runtime.runtime().devices[_index(device)]
-    for array in jax.live_arrays():
-        if target in array.devices():
-            array.block_until_ready()
+    for array in _events.computing(_index(device), "synchronize"):
+        array.block_until_ready()
     checks.raise_pending()
 
 

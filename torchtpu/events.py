@@ -25,25 +25,27 @@ __all__ = ["Event"]
 _events: dict[int, list[weakref.ref]] = {}
 _ids = itertools.count(1)
 
-ELAPSED_TIME_UNSUPPORTED = (
-    "tpu events carry no device clock, so elapsed_time cannot be measured: time a region with "
-    "torch.tpu.synchronize() and time.perf_counter() around it"
-)
-
-
-def record(device: int, event: int) -> int:
-    """Record `event` (0: a new one) on `device`; its id."""
+def computing(device: int, reason: str) -> list:
+    """The arrays of `device` still being computed, once the deferred executor's pending ops are
+    issued (flushed for `reason`): what an event records and `torch.tpu.synchronize` waits for."""
     import jax
 
     from torchtpu import runtime
     from torchtpu.exec import deferred
 
-    deferred.flush("event")
+    deferred.flush(reason)
+    if not runtime.is_started():
+        return []
+    target = runtime.jax_device(device)
+    return [array for array in jax.live_arrays()
+            if not array.is_deleted() and not array.is_ready() and target in array.devices()]
+
+
+def record(device: int, event: int) -> int:
+    """Record `event` (0: a new one) on `device`; its id."""
     if event == 0:
         event = next(_ids)
-    target = runtime.jax_device(device)
-    _events[event] = [weakref.ref(array) for array in jax.live_arrays()
-                      if not array.is_deleted() and not array.is_ready() and target in array.devices()]
+    _events[event] = [weakref.ref(array) for array in computing(device, "event")]
     return event
 
 

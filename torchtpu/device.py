@@ -288,7 +288,8 @@ def register_backend() -> None:
     device_guard.install()
     device_guard.set_runtime(device_guard.RuntimeHooks(
         synchronize=synchronize, record_event=_events.record, query_event=_events.query,
-        synchronize_event=_events.synchronize, destroy_event=_events.destroy, memory_stats=_memory_stats,
+        synchronize_event=_events.synchronize, destroy_event=_events.destroy, elapsed_time=_events.elapsed_time,
+        memory_stats=_memory_stats,
         reset_peak_memory_stats=reset_peak_memory_stats, empty_cache=empty_cache, memory_info=mem_get_info,
     ))
     _setup_privateuseone_for_python_backend("tpu", sys.modules[__name__], _Hooks(), _Guard())

@@ -63,10 +63,11 @@ class RuntimeHooks:
     `torch.Event`, `torch.Stream`): the Python runtime's answers (torchtpu.device, torchtpu.events)."""
 
     synchronize: Callable[[int], None]  # (device)
-    record_event: Callable[[int, int], int]  # (device, event or 0 for a new one) -> event
+    record_event: Callable[[int, int, bool], int]  # (device, event or 0 for a new one, timing) -> event
     query_event: Callable[[int], bool]
     synchronize_event: Callable[[int], None]
     destroy_event: Callable[[int], None]
+    elapsed_time: Callable[[int, int], float]  # (start, end) -> milliseconds
     memory_stats: Callable[[int], tuple[int, int]]  # (device) -> (allocated, peak) bytes
     reset_peak_memory_stats: Callable[[int], None]
     empty_cache: Callable[[], None]
@@ -82,10 +83,12 @@ class _Callbacks(ctypes.Structure):
 
     _fields_ = [
         ("synchronize_device", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, *_Error)),
-        ("record_event", ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int, ctypes.c_int64, *_Error)),
+        ("record_event", ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int, *_Error)),
         ("query_event", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, *_Error)),
         ("synchronize_event", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, *_Error)),
         ("destroy_event", ctypes.CFUNCTYPE(None, ctypes.c_int64)),
+        ("elapsed_time", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.POINTER(ctypes.c_double), *_Error)),
         ("memory_stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _Int64Out, _Int64Out, *_Error)),
         ("reset_peak_memory_stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, *_Error)),
         ("empty_cache", ctypes.CFUNCTYPE(ctypes.c_int, *_Error)),
@@ -121,6 +124,15 @@ def _pair(fn: Callable[[int], tuple[int, int]]) -> Callable[[int, Any, Any], Non
     return write
 
 
+def _out(fn: Callable[[int, int], float]) -> Callable[[int, int, Any], None]:
+    """`fn(a, b)`'s number written into C++'s out-parameter."""
+
+    def write(a, b, result):
+        result[0] = fn(a, b)
+
+    return write
+
+
 def set_runtime(hooks: RuntimeHooks) -> None:
     """Hand `hooks` to the C++ guard and allocator (nothing to do without them)."""
     global _callbacks
@@ -129,10 +141,11 @@ def set_runtime(hooks: RuntimeHooks) -> None:
     fields = dict(_Callbacks._fields_)
     _callbacks = _Callbacks(
         fields["synchronize_device"](_reporting(hooks.synchronize)),
-        fields["record_event"](_reporting(hooks.record_event)),
+        fields["record_event"](_reporting(lambda device, event, timing: hooks.record_event(device, event, bool(timing)))),
         fields["query_event"](_reporting(lambda event: int(hooks.query_event(event)))),
         fields["synchronize_event"](_reporting(hooks.synchronize_event)),
         fields["destroy_event"](hooks.destroy_event),
+        fields["elapsed_time"](_reporting(_out(hooks.elapsed_time))),
         fields["memory_stats"](_reporting(_pair(hooks.memory_stats))),
         fields["reset_peak_memory_stats"](_reporting(hooks.reset_peak_memory_stats)),
         fields["empty_cache"](_reporting(hooks.empty_cache)),

@@ -73,7 +73,7 @@ def test_an_event_completes_once_the_work_issued_before_it_has(make):
     assert later.cpu().tolist() == [1.0, 1.0]
 
 
-def test_an_event_reports_a_device_side_error_and_has_no_clock():
+def test_an_event_reports_a_device_side_error():
     from torchtpu.exec.checks import DeviceCheckError
 
     torch.arange(4.0).to("tpu:0")[torch.tensor([1, 4]).to("tpu:0")]  # out of range: found on the device
@@ -81,11 +81,46 @@ def test_an_event_reports_a_device_side_error_and_has_no_clock():
     event.record()
     with pytest.raises(RuntimeError, match=f"{DeviceCheckError.__name__}: .*index out of range"):
         event.synchronize()
-    end = torch.tpu.Event(enable_timing=True)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.Event(device="tpu", enable_timing=True),
+                                  lambda: torch.tpu.Event(enable_timing=True)])
+def test_elapsed_time_times_the_device_work_between_two_events(make):
+    """The end event is stamped when the work issued before it finished, not when it was
+    recorded: the product below is still running at the record, so the time between the two
+    events includes the wait for it (as on CUDA, where the stamps are the device's)."""
+    import time
+
+    start, end = make(), make()
+    start.record()
+    start.synchronize()
+    torch.ones(2, device="tpu:0")  # compiled now, so that issuing it below takes no time
+    host_start = time.perf_counter()
+    start.record()  # nothing pending: stamped at the record
+    product = _pending_product()
     end.record()
+    recorded = time.perf_counter()
     end.synchronize()
-    with pytest.raises(RuntimeError, match="tpu events carry no device clock"):
-        event.elapsed_time(end)
+    finished = time.perf_counter()
+    assert product.cpu().unique().tolist() == [1.0 / 2048]
+    elapsed = start.elapsed_time(end)  # milliseconds
+    still_running = (finished - recorded) * 1e3
+    assert still_running > 50, "the product finished before the record: nothing to test"
+    assert (recorded - host_start) * 1e3 + 0.8 * still_running < elapsed
+    assert elapsed < (finished - host_start) * 1e3 + 50  # the clock's thread stamps promptly
+
+
+def test_elapsed_time_needs_two_recorded_timing_events():
+    timed, untimed = torch.tpu.Event(enable_timing=True), torch.tpu.Event()
+    timed.record()
+    untimed.record()
+    with pytest.raises(ValueError, match="enable_timing=True"):
+        timed.elapsed_time(untimed)
+    with pytest.raises(ValueError, match="must be recorded"):
+        timed.elapsed_time(torch.tpu.Event(enable_timing=True))
+    later = torch.tpu.Event(enable_timing=True)
+    later.record()
+    assert 0 <= timed.elapsed_time(later) < 1000
 
 
 def test_torch_tpu_streams_are_torch_streams():

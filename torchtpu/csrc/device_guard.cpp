@@ -34,9 +34,10 @@ thread_local c10::DeviceIndex current_index = 0;
 // returns a negative number when its Python code raised, with the error's message written into
 // `error` (of `size` bytes); an event is the id the runtime gave it when first recorded.
 using DeviceFn = int (*)(int device, char* error, size_t size);
-using RecordFn = int64_t (*)(int device, int64_t event, char* error, size_t size);
+using RecordFn = int64_t (*)(int device, int64_t event, int timing, char* error, size_t size);
 using EventFn = int (*)(int64_t event, char* error, size_t size);  // query: 1 or 0; synchronize: 0
 using DestroyFn = void (*)(int64_t event);
+using ElapsedFn = int (*)(int64_t start, int64_t end, double* milliseconds, char* error, size_t size);
 using BytesFn = int (*)(int device, int64_t* first, int64_t* second, char* error, size_t size);
 using ReleaseFn = int (*)(char* error, size_t size);
 
@@ -46,6 +47,7 @@ struct RuntimeCallbacks {
   EventFn query_event;
   EventFn synchronize_event;
   DestroyFn destroy_event;
+  ElapsedFn elapsed_time;
   BytesFn memory_stats;  // (allocated, peak) bytes
   DeviceFn reset_peak_memory_stats;
   ReleaseFn empty_cache;
@@ -141,11 +143,14 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
     checked([&](char* error, size_t size) { return runtime().synchronize_device(device, error, size); });
   }
   // Events (torchtpu/events.py): a marker of the work issued to the device when recorded.
+  // `torch.Event(enable_timing=True)` records with the backend's flag: such an event is stamped
+  // with the time its work finished.
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
               const c10::EventFlag flag) const override {
     int64_t id = event_id(*event);
+    int timing = flag == c10::EventFlag::BACKEND_DEFAULT;
     id = checked([&](char* error, size_t size) {
-      return runtime().record_event(resolved(stream.device()).index(), id, error, size);
+      return runtime().record_event(resolved(stream.device()).index(), id, timing, error, size);
     });
     *event = reinterpret_cast<void*>(static_cast<intptr_t>(id));
   }
@@ -169,8 +174,12 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex device_index) const override {
-    TORCH_CHECK(false, "tpu events carry no device clock, so elapsed_time cannot be measured: time a region "
-                "with torch.tpu.synchronize() and time.perf_counter() around it");
+    TORCH_CHECK(start != nullptr && end != nullptr, "both events must be recorded before elapsed_time");
+    double milliseconds = 0;
+    checked([&](char* error, size_t size) {
+      return runtime().elapsed_time(event_id(start), event_id(end), &milliseconds, error, size);
+    });
+    return milliseconds;
   }
 };
 

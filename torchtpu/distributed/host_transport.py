@@ -146,7 +146,7 @@ def _claimed(t: torch.Tensor, results: ResultArrays | None = None):
     if runtime.runtime().platform != "cpu":
         return None
     buffer = storage.buffer_of(t)
-    if buffer.value is None or buffer.sharded or memory.to_array(t) is not buffer.value:
+    if buffer.value is None or buffer.sharded or memory.whole_array(t, buffer) is None:
         return None
     _jax().collect_garbage()
     # Held by nothing else than the storage, the argument (and the pool that handed it out).
@@ -389,12 +389,13 @@ class _Staging:
         self.adopted: list = []  # (output, pooled array that becomes its buffer)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor with `t`'s value that gloo reads: its device memory, where that is host
-        memory and one buffer."""
+        """A host tensor with `t`'s value that gloo reads: its storage's own device memory, where
+        that is host memory on one device and `t` is all of it (else its value, gathered)."""
         if t.numel() and runtime.runtime().platform == "cpu":
-            single = _single_buffer(memory.to_array(t))
-            if single is not None:
-                return self._lend(single, t)
+            buffer = storage.buffer_of(t)
+            array = None if buffer.sharded else memory.whole_array(t, buffer)
+            if array is not None:
+                return self._lend(array, t)
         host = host_view(t)
         self.held.append(host)
         return _borrowed(host)

@@ -82,15 +82,12 @@ def to_array(t: torch.Tensor):
     own buffer (no copy); any other view is gathered by a cached program.
     """
     buffer = storage.buffer_of(t)
-    value = _materialized(buffer)
-    checks.raise_pending()
-    conj, neg = t.is_conj(), t.is_neg()
-    # A tensor that is contiguous and covers its whole storage (the common case; host reads of
-    # collectives pay this check per call) reads the storage's own buffer.
-    if value is not None and not (conj or neg) and _covers(t, buffer):
-        return value
+    whole = whole_array(t, buffer)
+    if whole is not None:
+        return whole
     import jax
 
+    value, conj, neg = buffer.value, t.is_conj(), t.is_neg()  # materialised by `whole_array`
     np_dtype = dtypes.to_jax(t.dtype)
     if value is None:
         return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
@@ -105,6 +102,18 @@ def to_array(t: torch.Tensor):
 
         read = _read_programs[key] = jax.jit(read_fn)
     return read(value)
+
+
+def whole_array(t: torch.Tensor, buffer: storage.DeviceBuffer):
+    """The storage's own array when `t` is all of it (contiguous, in its dtype, no math bits):
+    `t`'s value without a program. Pending work is materialised and failed device checks raised
+    first; None for any other view, or a storage never written. The common case of `to_array`,
+    and what collectives read and write in place (they pay this check per call)."""
+    value = _materialized(buffer)
+    checks.raise_pending()
+    if value is not None and not (t.is_conj() or t.is_neg()) and _covers(t, buffer):
+        return value
+    return None
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -34,6 +34,18 @@ pooled host buffer (~33) that then became its device buffer by a DLPack import i
 ~560-670 (gloo's ~620-640, whose new output costs page faults), and the benchmark's 1 MiB
 all-to-all into new outputs from 0.68-0.90x gloo to 0.94-1.13x.
 
+What remains is this module's Python, not the runtime: measured in one run, alternating blocks,
+the floor of a tpu all-to-all -- the same pairwise exchange with the input's export and the
+output's donation inline, and nothing else (no checks, no staging object, no work object) -- ran
+at 1.1-1.3x gloo's own all-to-all at 1 MiB, where tpu_dist ran at 0.75-0.9x. On two busy cores,
+with caches cold after each exchange, every step costs about ten times what it costs alone (the
+donation ~35 us of caller CPU against ~4): staging through `_Staging` costs ~20 us a call over
+the inline floor, launching and waiting through a `TpuWork` another ~20. A path of the guessed
+all_to_all_single without either (tried, not kept: a second copy of the staging for one case)
+ran 9-12% faster than this one in the same run, which is not 0.9x of gloo in every run either;
+smaller cuts (no closure per launch, pruning the staging in flight less often; lending the
+storage's own array instead of a new array object, kept) measured 0-5%.
+
 About a tenth of the calls stall for milliseconds, gloo's own as often as these (1,500 calls
 each at 1 MiB: 6-10% took over twice the median, ~3 ms on average, posting a message or waiting
 for one): medians hide them, the benchmark's block means do not, and they make most of the

@@ -391,7 +391,9 @@ def _regions_at(address: int, dtype: torch.dtype, shape: tuple[int, ...],
 class _Staging:
     """The host buffers of one collective, and which tpu output each result goes to.
 
-    Each method keeps the buffer's owner and returns a `_borrowed` view of it for gloo."""
+    Each method keeps the buffer's owner and returns a `_borrowed` view of it for gloo, or with
+    `splits` its regions along dim 0 (`_regions`), as an all-to-all sends and receives them. Once
+    launched, the staging holds gloo's work too, and `complete` finishes the collective."""
 
     def __init__(self, buffers: ReceiveBuffers, results: ResultArrays | None = None) -> None:
         self.buffers = buffers
@@ -399,18 +401,19 @@ class _Staging:
         self.held: list = []  # inputs and claimed outputs (or their exports), until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.adopted: list = []  # (output, pooled array that becomes its buffer)
+        self.work: dist.Work | PairwiseWork | None = None
 
-    def read(self, t: torch.Tensor) -> torch.Tensor:
+    def read(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor with `t`'s value that gloo reads: its storage's own device memory, where
         that is host memory on one device and `t` is all of it (else its value, gathered)."""
         if t.numel() and runtime.runtime().platform == "cpu":
             buffer = storage.buffer_of(t)
             array = None if buffer.sharded else memory.whole_array(t, buffer)
             if array is not None:
-                return self._lend(array, t)
+                return self._lend(array, t, splits)
         host = host_view(t)
         self.held.append(host)
-        return _borrowed(host)
+        return _split(_borrowed(host), splits)
 
     def update(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s value that gloo updates in place, the result ending in `t`."""
@@ -421,26 +424,26 @@ class _Staging:
         copy_bytes(host, host_view(t))
         return host
 
-    def receive(self, t: torch.Tensor) -> torch.Tensor:
+    def receive(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor that gloo writes, the result ending in `t`."""
         owned = _claimed(t, self.results)
         if owned is not None:
-            return self._lend(owned, t)
-        return self._result_memory(t)
+            return self._lend(owned, t, splits)
+        return self._result_memory(t, splits)
 
-    def _result_memory(self, t: torch.Tensor) -> torch.Tensor:
+    def _result_memory(self, t: torch.Tensor, splits: list[int] | None = None):
         """Memory of `t`'s shape that gloo writes `t`'s result into: a pooled device array that
         becomes `t`'s buffer where `t` fills its storage (and `results` were given), else a
         pooled host buffer, copied into `t` (or made its buffer where possible) on delivery."""
         if self.results is not None and t.numel() and memory.fills_storage(t):
             array = self.results.take(t.numel(), t.dtype, t.device.index)
             self.adopted.append((t, array))
-            return _borrowed_at(array.unsafe_buffer_pointer(), t.dtype, tuple(t.shape))
+            return _lent_at(array.unsafe_buffer_pointer(), t, splits)
         host = self.buffers.take(tuple(t.shape), t.dtype)
         self.moves.append((t, host))
-        return _borrowed(host)
+        return _split(_borrowed(host), splits)
 
-    def _lend(self, array, t: torch.Tensor) -> torch.Tensor:
+    def _lend(self, array, t: torch.Tensor, splits: list[int] | None = None):
         """`t`'s view of the memory of the single-device CPU-platform `array`, for gloo, once the
         program writing it has finished (the export waits for it).
 
@@ -451,9 +454,17 @@ class _Staging:
         if not t.numel():
             host = _over(array, t.shape)
             self.held.append(host)
-            return host
+            return _split(host, splits)
         self.held.append(_jax().buffer_to_dlpack_managed_tensor(array, stream=None))
-        return _borrowed_at(array.unsafe_buffer_pointer(), t.dtype, tuple(t.shape))
+        return _lent_at(array.unsafe_buffer_pointer(), t, splits)
+
+    def complete(self, timeout: timedelta | None) -> None:
+        """Wait for the launched collective, then deliver its results (a `TpuWork`'s completion)."""
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        self.deliver()
 
     def deliver(self) -> None:
         self.held.clear()
@@ -463,6 +474,21 @@ class _Staging:
         for dst, src in self.moves:
             memory.move_from_host(dst, src)
         self.moves.clear()
+
+
+def _lent_at(address: int, t: torch.Tensor, splits: list[int] | None):
+    """`t`'s view of the memory at `address` (cached, `_borrowed_at`), or its regions."""
+    if splits is None:
+        return _borrowed_at(address, t.dtype, tuple(t.shape))
+    return _regions_at(address, t.dtype, tuple(t.shape), tuple(splits))
+
+
+def _split(host: torch.Tensor, splits: list[int] | None):
+    """`host` (a `_borrowed` view), or its regions along dim 0 by `splits`."""
+    return host if splits is None else _regions(host, splits)
+
+
+_IN_FLIGHT_KEPT = 16  # launched stagings kept before the completed ones are let go
 
 
 class HostTransport:
@@ -479,24 +505,20 @@ class HostTransport:
         self._buffers = ReceiveBuffers()
         self._results = ResultArrays() if runtime.runtime().platform == "cpu" else None
         # Gloo holds only borrowed views: the staging of each launched collective stays here
-        # until gloo reports it completed, even if its work is never waited on or its wait fails.
-        self._in_flight: list[tuple[dist.Work | PairwiseWork, _Staging]] = []
+        # until gloo reports it completed, even if its work is never waited on or its wait fails
+        # (looked at once `_IN_FLIGHT_KEPT` are kept: completed ones hold nothing but their work).
+        self._in_flight: list[_Staging] = []
 
     def _launch(
         self, collective: str, staging: _Staging, work: dist.Work | PairwiseWork, result: Tensors,
         any_source: bool = False,
     ) -> TpuWork:
-        def complete(timeout: timedelta | None) -> None:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
-            staging.deliver()
-
-        self._in_flight = [(w, s) for w, s in self._in_flight if not w.is_completed()]
-        self._in_flight.append((work, staging))
+        staging.work = work
+        if len(self._in_flight) >= _IN_FLIGHT_KEPT:
+            self._in_flight = [s for s in self._in_flight if not s.work.is_completed()]
+        self._in_flight.append(staging)
         source_rank = work._source_rank if any_source else None
-        return TpuWork(collective, self._rank, complete, result, source_rank)
+        return TpuWork(collective, self._rank, staging.complete, result, source_rank)
 
     def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
         s = _Staging(self._buffers, self._results)
@@ -538,8 +560,8 @@ class HostTransport:
         """The host buffers of an all-to-all of `sizes`, staged; the call returned starts it."""
         s = _Staging(self._buffers, self._results)
         send, recv = sizes.splits(self._rank)
-        host_in = _regions(s.read(input), send)
-        host_out = _regions(s.receive(output), recv)
+        host_in = s.read(input, send)
+        host_out = s.receive(output, recv)
 
         def start() -> TpuWork:
             return self._launch("all_to_all_single", s, self._pairwise.exchange(host_out, host_in), [output])

@@ -42,9 +42,10 @@ with caches cold after each exchange, every step costs about ten times what it c
 donation ~35 us of caller CPU against ~4): staging through `_Staging` costs ~20 us a call over
 the inline floor, launching and waiting through a `TpuWork` another ~20. A path of the guessed
 all_to_all_single without either (tried, not kept: a second copy of the staging for one case)
-ran 9-12% faster than this one in the same run, which is not 0.9x of gloo in every run either;
-smaller cuts (no closure per launch, pruning the staging in flight less often; lending the
-storage's own array instead of a new array object, kept) measured 0-5%.
+ran 9-12% faster than this one in the same run, which is not 0.9x of gloo in every run either.
+Smaller cuts, kept, measured 0-5% each: lending the storage's own array instead of a new array
+object, no closure per launch, pruning the staging in flight less often, regions straight from
+the lent address.
 
 About a tenth of the calls stall for milliseconds, gloo's own as often as these (1,500 calls
 each at 1 MiB: 6-10% took over twice the median, ~3 ms on average, posting a message or waiting

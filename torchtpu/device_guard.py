@@ -141,7 +141,7 @@ def set_runtime(hooks: RuntimeHooks) -> None:
     fields = dict(_Callbacks._fields_)
     _callbacks = _Callbacks(
         fields["synchronize_device"](_reporting(hooks.synchronize)),
-        fields["record_event"](_reporting(lambda device, event, timing: hooks.record_event(device, event, bool(timing)))),
+        fields["record_event"](_reporting(lambda device, event, timed: hooks.record_event(device, event, timed != 0))),
         fields["query_event"](_reporting(lambda event: int(hooks.query_event(event)))),
         fields["synchronize_event"](_reporting(hooks.synchronize_event)),
         fields["destroy_event"](hooks.destroy_event),

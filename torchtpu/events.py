@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import queue
 import threading
 import time
@@ -168,6 +169,9 @@ def _until_ready(array) -> None:
 @functools.cache
 def _clock() -> _Clock:
     return _Clock()
+
+
+os.register_at_fork(after_in_child=_clock.cache_clear)  # a forked child has no clock thread
 
 
 def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:

@@ -507,7 +507,8 @@ class HostTransport:
         self._results = ResultArrays() if runtime.runtime().platform == "cpu" else None
         # Gloo holds only borrowed views: the staging of each launched collective stays here
         # until gloo reports it completed, even if its work is never waited on or its wait fails
-        # (looked at once `_IN_FLIGHT_KEPT` are kept: completed ones hold nothing but their work).
+        # (looked at once `_IN_FLIGHT_KEPT` are kept: the staging of a collective never waited
+        # on may outlive its completion by that many launches).
         self._in_flight: list[_Staging] = []
 
     def _launch(

@@ -67,3 +67,11 @@ def _with_environment(rank: int, environment: dict[str, str], entry: Callable, a
     os.environ.clear()
     os.environ.update(environment)
     entry(rank, *args)
+    # A forked process exits without running atexit, where JAX would leave its multi-process
+    # runtime, waiting there for every process. A rank that returns leaves it here instead, so
+    # that rank 0, whose coordinator goes with it, cannot exit while another rank is still in a
+    # collective (a CI run saw a final gather fail with "Connection reset by peer"). A rank that
+    # raised exits at once; the others then fail too, and the first error is reported.
+    import jax
+
+    jax.distributed.shutdown()

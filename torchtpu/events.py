@@ -13,7 +13,8 @@ An event made with `enable_timing=True` is also stamped with the time its work f
 `start.elapsed_time(end)` times the device work between two records, as on CUDA. The runtime
 gives no device clock, so the stamp is the host's (`time.perf_counter_ns`): the record's time when
 nothing was still being computed, else taken by a thread of this module (`_Clock`) once the last of
-the event's arrays is ready -- some microseconds after the device finished. `elapsed_time` waits
+the event's arrays is ready -- shortly after the device finished (the thread needs the GIL to take
+it: up to Python's switch interval, 5 ms, while another thread runs Python). `elapsed_time` waits
 for both stamps.
 
 The C++ device guard (`csrc/device_guard.cpp`) calls these functions for PyTorch's event API.

@@ -105,9 +105,9 @@ def test_elapsed_time_times_the_device_work_between_two_events(make):
     assert product.cpu().unique().tolist() == [1.0 / 2048]
     elapsed = start.elapsed_time(end)  # milliseconds
     still_running = (finished - recorded) * 1e3
-    assert still_running > 50, "the product finished before the record: nothing to test"
+    assert still_running > 20, "the product finished right after the record: too little to tell apart"
     assert (recorded - host_start) * 1e3 + 0.8 * still_running < elapsed
-    assert elapsed < (finished - host_start) * 1e3 + 50  # the clock's thread stamps promptly
+    assert elapsed < (finished - host_start) * 1e3 + 50  # the clock's thread stamps promptly (GIL allowing)
 
 
 def test_elapsed_time_needs_two_recorded_timing_events():

@@ -6,11 +6,15 @@ the `tpu` device, the `torch.tpu` module and the `tpu_dist` process-group backen
 
 from __future__ import annotations
 
-from torchtpu import device as _device
-from torchtpu import counters as _counters
-from torchtpu.exec import modes as _modes
-from torchtpu.precision import precision as matmul_precision
-from torchtpu.precision import set_mode as set_matmul_precision
+from torchtpu import native as _native
+
+_native.prebuild()  # a machine's first import compiles the C++ pieces side by side
+
+from torchtpu import device as _device  # noqa: E402
+from torchtpu import counters as _counters  # noqa: E402
+from torchtpu.exec import modes as _modes  # noqa: E402
+from torchtpu.precision import precision as matmul_precision  # noqa: E402
+from torchtpu.precision import set_mode as set_matmul_precision  # noqa: E402
 
 _device.register_backend()
 

@@ -92,7 +92,7 @@ def _load() -> ctypes.PyDLL | None:
     from torchtpu.exec import deferred
 
     try:
-        library = native.load("fast_dispatch", python=True)
+        library = native.load("fast_dispatch")
     except (OSError, RuntimeError) as error:
         warnings.warn(
             f"torchtpu could not build its fast dispatch path ({error}); strict eager ops take the "

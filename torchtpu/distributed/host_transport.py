@@ -37,7 +37,8 @@ all-to-all into new outputs from 0.68-0.90x gloo to 0.94-1.13x.
 What remains is this module's Python, not the runtime: measured in one run, alternating blocks,
 the floor of a tpu all-to-all -- the same pairwise exchange with the input's export and the
 output's donation inline, and nothing else (no checks, no staging object, no work object) -- ran
-at 1.1-1.3x gloo's own all-to-all at 1 MiB, where tpu_dist ran at 0.75-0.9x. On two busy cores,
+at 1.1-1.4x gloo's own all-to-all at 1 MiB in five runs of six (0.94x in the sixth), where
+tpu_dist ran at 0.73-0.91x (seven runs). On two busy cores,
 with caches cold after each exchange, every step costs about ten times what it costs alone (the
 donation ~35 us of caller CPU against ~4): staging through `_Staging` costs ~20 us a call over
 the inline floor, launching and waiting through a `TpuWork` another ~20. A path of the guessed

@@ -38,12 +38,12 @@ What remains is this module's Python, not the runtime: measured in one run, alte
 the floor of a tpu all-to-all -- the same pairwise exchange with the input's export and the
 output's donation inline, and nothing else (no checks, no staging object, no work object) -- ran
 at 1.1-1.4x gloo's own all-to-all at 1 MiB in five runs of six (0.94x in the sixth), where
-tpu_dist ran at 0.73-0.91x (seven runs). On two busy cores,
-with caches cold after each exchange, every step costs about ten times what it costs alone (the
-donation ~35 us of caller CPU against ~4): staging through `_Staging` costs ~20 us a call over
-the inline floor, launching and waiting through a `TpuWork` another ~20. A path of the guessed
-all_to_all_single without either (tried, not kept: a second copy of the staging for one case)
-ran 9-12% faster than this one in the same run, which is not 0.9x of gloo in every run either.
+tpu_dist ran at 0.73-0.91x (seven runs). On two busy cores, with caches cold after each
+exchange, every step costs about ten times what it costs alone (the donation ~35 us of caller
+CPU against ~4): staging through `_Staging` costs ~20 us a call over the inline floor, launching
+and waiting through a `TpuWork` another ~20. A path of the guessed all_to_all_single without
+either (tried, not kept: a second copy of the staging, for outputs it can claim only) ran 9-12%
+faster than this one in the same run, which is not 0.9x of gloo in every run either.
 Smaller cuts, kept, measured 0-5% each: lending the storage's own array instead of a new array
 object, no closure per launch, pruning the staging in flight less often, regions straight from
 the lent address.

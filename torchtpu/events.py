@@ -12,8 +12,8 @@ produces them.
 An event made with `enable_timing=True` is also stamped with the time its work finished, so that
 `start.elapsed_time(end)` times the device work between two records, as on CUDA. The runtime
 gives no device clock, so the stamp is the host's (`time.perf_counter_ns`): the record's time when
-nothing was still being computed, else taken by a thread of this module (`_Clock`) once the last of
-the event's arrays is ready -- shortly after the device finished (the thread needs the GIL to take
+nothing was still being computed, else taken by the device's clock thread (`_Clock`) once the last
+of the event's arrays is ready -- shortly after the device finished (the thread needs the GIL to take
 it: up to Python's switch interval, 5 ms, while another thread runs Python). `elapsed_time` waits
 for both stamps.
 
@@ -61,7 +61,7 @@ def record(device: int, event: int, timing: bool = False) -> int:
     arrays = computing(device, "event")
     _events[event] = [weakref.ref(array) for array in arrays]
     if timing:
-        _stamps[event] = _clock().stamp_when_done(arrays)
+        _stamps[event] = _clock(device).stamp_when_done(arrays)
     else:
         _stamps.pop(event, None)
     return event
@@ -126,15 +126,16 @@ _stamps: dict[int, _Stamp] = {}  # of the events recorded with timing
 
 
 class _Clock:
-    """Stamps timing events, in record order, on one thread: an event whose work was still
-    running when recorded once its arrays are ready, one with nothing to wait for at its record's
-    time -- but never before an earlier event's stamp, which the thread may take only after the
-    later record (a later event's arrays include every array still pending from an earlier one,
-    so its work never finishes first)."""
+    """Stamps one device's timing events, in record order, on a thread of its own (each device
+    is a queue of its own, so one's work never holds up another's stamps): an event whose work
+    was still running when recorded once its arrays are ready, one with nothing to wait for at
+    its record's time -- but never before an earlier event's stamp, which the thread may take
+    only after the later record (a later event's arrays include every array of the device still
+    pending from an earlier one, so its work never finishes first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: int) -> None:
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="torchtpu-event-clock", daemon=True).start()
+        threading.Thread(target=self._run, name=f"torchtpu-event-clock-{device}", daemon=True).start()
 
     def stamp_when_done(self, arrays: list) -> _Stamp:
         """A stamp of the moment every one of `arrays` is ready."""
@@ -168,8 +169,8 @@ def _until_ready(array) -> None:
 
 
 @functools.cache
-def _clock() -> _Clock:
-    return _Clock()
+def _clock(device: int) -> _Clock:
+    return _Clock(device)
 
 
 os.register_at_fork(after_in_child=_clock.cache_clear)  # a forked child has no clock thread

@@ -110,6 +110,26 @@ def test_elapsed_time_times_the_device_work_between_two_events(make):
     assert elapsed < (finished - host_start) * 1e3 + 50  # the clock's thread stamps promptly (GIL allowing)
 
 
+def test_a_devices_timing_waits_for_no_other_device():
+    """Each device is a queue of its own: events timed on tpu:0 are stamped while tpu:1 still
+    runs a product recorded before them."""
+    a = torch.full((2048, 2048), 1.0 / 2048).to("tpu:1")
+    (a @ a).cpu()  # compiled now
+    x = torch.ones(4, device="tpu:0")
+    (x + 1).cpu()
+    other = torch.Event(device="tpu:1", enable_timing=True)
+    product = a @ a @ a @ a
+    other.record(torch.tpu.current_stream(1))
+    start, end = (torch.Event(device="tpu:0", enable_timing=True) for _ in range(2))
+    start.record(torch.tpu.current_stream(0))
+    x + 1
+    end.record(torch.tpu.current_stream(0))
+    assert start.elapsed_time(end) < 50
+    assert not other.query(), "tpu:1 finished first: nothing to tell apart"
+    other.synchronize()
+    assert product.cpu().unique().tolist() == [1.0 / 2048]
+
+
 def test_elapsed_time_needs_two_recorded_timing_events():
     timed, untimed = torch.tpu.Event(enable_timing=True), torch.tpu.Event()
     timed.record()

@@ -71,8 +71,8 @@ def load(name: str) -> ctypes.CDLL:
 def prebuild() -> None:
     """Start building every library not built yet, each on a thread of its own, so that a
     machine's first `import torchtpu` compiles them side by side rather than one after another
-    (~30 s -> ~15 s on two cores). `load` waits for a build under way (the file lock); a build
-    that fails here leaves no library, and `load` builds it again and reports why."""
+    (33 s -> 19 s, measured on two cores). `load` waits for a build under way (the file lock); a
+    build that fails here leaves no library, and `load` builds it again and reports why."""
     for name, python in LIBRARIES.items():
         source, target = _source_and_target(name)
         if not target.exists():

@@ -9,8 +9,8 @@ The streams are JAX's, not PyTorch's (no backend reproduces CPU bits); the distr
 ATen's, including their transformations of uniform bits (`random_`'s modulo reduction) and
 their parameter conventions. Low-precision outputs are sampled in float32 and rounded.
 An explicit `torch.Generator(device="tpu")` is a (seed, offset) pair of its own that the call
-draws its key from instead (other devices' generators are refused). Value checks ATen does on tensor data (negative probabilities, negative
-`std`) would need a host sync and are not done.
+draws its key from instead (other devices' generators are refused). Value checks ATen does on
+tensor data (negative probabilities, negative `std`) would need a host sync and are not done.
 """
 
 from __future__ import annotations

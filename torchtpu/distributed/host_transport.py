@@ -149,17 +149,17 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
     the runtime collects its garbage (at its next program call, or here), so the collection comes
     before the reference count is read.
     """
-    owned = _claimed(t)
+    if runtime.runtime().platform != "cpu":
+        return None
+    owned = _claimed(t, storage.buffer_of(t))
     return None if owned is None else _over(owned, t.shape)
 
 
-def _claimed(t: torch.Tensor, results: ResultArrays | None = None):
-    """`claim`'s donated array, not yet exported (nor waited for); None where there is none (a
-    never-written storage has no buffer, and is not read: that would make one of zeros). An
-    array that `results` handed out is held by it too."""
-    if runtime.runtime().platform != "cpu":
-        return None
-    buffer = storage.buffer_of(t)
+def _claimed(t: torch.Tensor, buffer: storage.DeviceBuffer, results: ResultArrays | None = None):
+    """`claim`'s donated array for `t` and its storage's `buffer`, not yet exported (nor waited
+    for); None where there is none (a never-written storage has no buffer, and is not read: that
+    would make one of zeros). CPU platform only. An array that `results` handed out is held by it
+    too."""
     if buffer.value is None or buffer.sharded or memory.whole_array(t, buffer) is None:
         return None
     _jax().collect_garbage()
@@ -395,20 +395,26 @@ class _Staging:
 
     Each method keeps the buffer's owner and returns a `_borrowed` view of it for gloo, or with
     `splits` its regions along dim 0 (`_regions`), as an all-to-all sends and receives them. Once
-    launched, the staging holds gloo's work too, and `complete` finishes the collective."""
+    launched, the staging holds gloo's work too, and `complete` finishes the collective.
+
+    Each tensor's buffer is looked up once a call and passed on (`storage.buffer_of` makes a
+    storage object every time)."""
+
+    __slots__ = ("buffers", "results", "host_memory", "held", "moves", "adopted", "work")
 
     def __init__(self, buffers: ReceiveBuffers, results: ResultArrays | None = None) -> None:
         self.buffers = buffers
         self.results = results
+        self.host_memory = runtime.runtime().platform == "cpu"  # device memory is host memory
         self.held: list = []  # inputs and claimed outputs (or their exports), until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.adopted: list = []  # (output, pooled array that becomes its buffer)
+        self.adopted: list = []  # (output's buffer, pooled array that becomes its value)
         self.work: dist.Work | PairwiseWork | None = None
 
     def read(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor with `t`'s value that gloo reads: its storage's own device memory, where
         that is host memory on one device and `t` is all of it (else its value, gathered)."""
-        if t.numel() and runtime.runtime().platform == "cpu":
+        if self.host_memory and t.numel():
             buffer = storage.buffer_of(t)
             array = None if buffer.sharded else memory.whole_array(t, buffer)
             if array is not None:
@@ -419,27 +425,30 @@ class _Staging:
 
     def update(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s value that gloo updates in place, the result ending in `t`."""
-        owned = _claimed(t, self.results)
+        buffer = storage.buffer_of(t)
+        owned = _claimed(t, buffer, self.results) if self.host_memory else None
         if owned is not None:
             return self._lend(owned, t)
-        host = self._result_memory(t)
+        host = self._result_memory(t, buffer)
         copy_bytes(host, host_view(t))
         return host
 
     def receive(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor that gloo writes, the result ending in `t`."""
-        owned = _claimed(t, self.results)
+        buffer = storage.buffer_of(t)
+        owned = _claimed(t, buffer, self.results) if self.host_memory else None
         if owned is not None:
             return self._lend(owned, t, splits)
-        return self._result_memory(t, splits)
+        return self._result_memory(t, buffer, splits)
 
-    def _result_memory(self, t: torch.Tensor, splits: list[int] | None = None):
+    def _result_memory(self, t: torch.Tensor, buffer: storage.DeviceBuffer, splits: list[int] | None = None):
         """Memory of `t`'s shape that gloo writes `t`'s result into: a pooled device array that
-        becomes `t`'s buffer where `t` fills its storage (and `results` were given), else a
-        pooled host buffer, copied into `t` (or made its buffer where possible) on delivery."""
-        if self.results is not None and t.numel() and memory.fills_storage(t):
+        becomes the value of `t`'s storage's `buffer` where `t` fills its storage (and `results`
+        were given), else a pooled host buffer, copied into `t` (or made its buffer where
+        possible) on delivery."""
+        if self.results is not None and t.numel() and memory.fills_storage(t, buffer):
             array = self.results.take(t.numel(), t.dtype, t.device.index)
-            self.adopted.append((t, array))
+            self.adopted.append((buffer, array))
             return _lent_at(array.unsafe_buffer_pointer(), t, splits)
         host = self.buffers.take(tuple(t.shape), t.dtype)
         self.moves.append((t, host))
@@ -470,8 +479,8 @@ class _Staging:
 
     def deliver(self) -> None:
         self.held.clear()
-        for dst, array in self.adopted:
-            storage.buffer_of(dst).value = array
+        for buffer, array in self.adopted:
+            buffer.value = array
         self.adopted.clear()
         for dst, src in self.moves:
             memory.move_from_host(dst, src)

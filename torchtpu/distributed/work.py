@@ -27,6 +27,8 @@ class CollectiveError(RuntimeError):
 class TpuWork(dist.Work):
     """A launched collective on tpu tensors; `complete(timeout)` finishes it."""
 
+    __slots__ = ("_source_rank_of", "_collective", "_rank", "_complete", "_result", "_lock", "_error")
+
     def __init__(
         self,
         collective: str,

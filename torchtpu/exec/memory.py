@@ -248,10 +248,10 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return execute(aten.copy_.default, (dst, src, non_blocking), {})
 
 
-def fills_storage(t: torch.Tensor) -> bool:
-    """`t` is contiguous over all of its storage, in its storage's dtype, with no math bits:
-    writing it replaces its buffer."""
-    return not (t.is_conj() or t.is_neg()) and _covers(t, storage.buffer_of(t))
+def fills_storage(t: torch.Tensor, buffer: storage.DeviceBuffer | None = None) -> bool:
+    """`t` is contiguous over all of its storage (whose `buffer` may be given, if looked up
+    already), in its storage's dtype, with no math bits: writing it replaces its buffer."""
+    return not (t.is_conj() or t.is_neg()) and _covers(t, storage.buffer_of(t) if buffer is None else buffer)
 
 
 def _covers(t: torch.Tensor, buffer: storage.DeviceBuffer) -> bool:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchtpu
+from torchtpu import storage
 from torchtpu.distributed.host_transport import (
     ReceiveBuffers,
     ResultArrays,
@@ -215,7 +216,7 @@ def test_an_output_holding_a_pooled_array_is_claimed_only_where_the_pool_is_know
     out = torch.empty(8, device="tpu:0")
     _received(out, torch.arange(8.0), results)
     assert claim(out) is None  # for a caller unaware of the pool, it holds the array too
-    assert _claimed(out, results) is not None
+    assert _claimed(out, storage.buffer_of(out), results) is not None
     assert out.cpu().tolist() == list(map(float, range(8)))
 
 

@@ -151,6 +151,26 @@ def _memory_stats(index: int) -> tuple[int, int]:
     return memory_allocated(index), max_memory_allocated(index)
 
 
+def memory_reserved(device: int | str | torch.device | None = None) -> int:
+    """Bytes the device keeps for tensors: `memory_allocated`, as torchtpu caches no device
+    memory of its own (the runtime allocates and frees each buffer). Not counted: the arrays
+    collectives pool for their results on the CPU stand-in, which `empty_cache` releases."""
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device: int | str | torch.device | None = None) -> int:
+    """Peak of `memory_reserved` since start or the last `reset_peak_memory_stats`."""
+    return max_memory_allocated(device)
+
+
+def memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
+    """`torch.cuda.memory_stats`'s dictionary for a tpu device, as `torch.accelerator` reports it:
+    the byte counts ("allocated_bytes.all.current", "reserved_bytes.all.peak", ...) are
+    `memory_allocated`'s and its peak; the counts of a caching allocator's blocks and segments,
+    which torchtpu has not, are 0."""
+    return dict(torch.accelerator.memory_stats(torch.device("tpu", _index(device))))
+
+
 def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
     index = _index(device)
     storage.stats.peak[index] = storage.stats.allocated.get(index, 0)

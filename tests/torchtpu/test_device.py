@@ -177,6 +177,23 @@ def test_torch_accelerator_memory_api_counts_tpu_storages():
     assert total == torch.tpu.get_device_properties(0).total_memory and 0 < free <= total
 
 
+def test_torch_tpu_memory_stats_are_torch_cudas_names_for_the_same_counts():
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated(0)
+    x = torch.empty(512, 128, device="tpu:0")
+    assert torch.tpu.memory_reserved(0) == torch.accelerator.memory_reserved(0) == before + x.nbytes
+    torch.tpu.reset_peak_memory_stats(0)
+    y = torch.empty(64, device="tpu:0")
+    del y
+    assert torch.tpu.max_memory_reserved(0) == torch.accelerator.max_memory_reserved(0) == before + x.nbytes + 256
+    stats = torch.tpu.memory_stats("tpu:0")
+    assert stats.keys() == torch.accelerator.memory_stats(0).keys() and "num_ooms" in stats
+    assert stats["allocated_bytes.all.current"] == stats["reserved_bytes.all.current"] == before + x.nbytes
+    assert stats["allocated_bytes.all.peak"] == before + x.nbytes + 256
+    del x
+    assert torch.tpu.memory_reserved(0) == before
+
+
 def test_torch_accelerator_empty_cache_is_torch_tpus():
     from torchtpu.distributed.host_transport import ReceiveBuffers
 

@@ -21,40 +21,7 @@ copied on our side:
 All-to-alls move as point-to-point messages (`pairwise`), each peer's region straight from the
 input's memory into the output's.
 
-Where the time goes, at 1 MiB and world size 2 on the 2-core stand-in (medians per call, both
-ranks busy; alone each part costs a third to a quarter of it): a guessed all_to_all_single into
-the same output spends ~100-150 us before its messages are posted -- PyTorch's wrapper ~15 (gloo
-pays it too), routing, checks and the guess ~12, reading the input ~30 (its DLPack export ~6),
-claiming the output ~40 (the donation's dispatch ~30) -- and ~25 after its data arrived; posting
-and moving the data take ~450-550 us against gloo's ~500-700 for the whole call. Into a new
-output a pooled device array is claimed instead (~45); making the output costs ~7 us alone on
-tpu (the fast path's factory) against ~1 on cpu. Before the pool, a new output received into a
-pooled host buffer (~33) that then became its device buffer by a DLPack import into JAX (~61,
-~7 alone), freed again when the output died (~10): the calls' medians went from ~655-780 us to
-~560-670 (gloo's ~620-640, whose new output costs page faults), and the benchmark's 1 MiB
-all-to-all into new outputs from 0.68-0.90x gloo to 0.94-1.13x.
-
-What remains is this module's Python, not the runtime: measured in one run, alternating blocks,
-the floor of a tpu all-to-all -- the same pairwise exchange with the input's export and the
-output's donation inline, and nothing else (no checks, no staging object, no work object) -- ran
-at 1.1-1.4x gloo's own all-to-all at 1 MiB in five runs of six (0.94x in the sixth), where
-tpu_dist ran at 0.73-0.91x (seven runs). On two busy cores, with caches cold after each
-exchange, every step costs about ten times what it costs alone (the donation ~35 us of caller
-CPU against ~4): staging through `_Staging` costs ~20 us a call over the inline floor, launching
-and waiting through a `TpuWork` another ~20. A path of the guessed all_to_all_single without
-either (tried, not kept: a second copy of the staging, for outputs it can claim only) ran 9-12%
-faster than this one in the same run, which is not 0.9x of gloo in every run either.
-Smaller cuts, kept, measured 0-5% each: lending the storage's own array instead of a new array
-object, no closure per launch, pruning the staging in flight less often, regions straight from
-the lent address.
-
-About a tenth of the calls stall for milliseconds, gloo's own as often as these (1,500 calls
-each at 1 MiB: 6-10% took over twice the median, ~3 ms on average, posting a message or waiting
-for one): medians hide them, the benchmark's block means do not, and they make most of the
-spread between its runs. Preemption on two cores, each rank with a caller and a transport
-thread busy. One gloo group for both directions measured worse on means (1 MiB 0.66-0.92x
-against 0.76-0.86x); both directions' groups on one gloo device (one transport thread,
-`pairwise`) measured better in most runs.
+Where a call's time goes, and what was tried to shorten it: `docs/tpu_dist-performance.md`.
 
 On other platforms the same code moves data device -> host -> device. Gloo only reads the
 buffers passed as inputs here; the tests check that inputs are unchanged.

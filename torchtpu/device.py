@@ -171,6 +171,31 @@ def memory_stats(device: int | str | torch.device | None = None) -> dict[str, in
     return dict(torch.accelerator.memory_stats(torch.device("tpu", _index(device))))
 
 
+def memory_summary(device: int | str | torch.device | None = None, abbreviated: bool = False) -> str:
+    """A printable account of the device's memory, where `torch.cuda.memory_summary` gives one:
+    the bytes of live tensors now and at their peak, what is reserved (the same), and the device's
+    free and total memory. torchtpu has no caching allocator, so there are no pools, segments or
+    retries to list; `abbreviated` is taken for compatibility and changes nothing."""
+    index = _index(device)
+    free, total = mem_get_info(index)
+    rows = (("allocated now", memory_allocated(index)), ("allocated peak", max_memory_allocated(index)),
+            ("reserved now", memory_reserved(index)), ("reserved peak", max_memory_reserved(index)),
+            ("device free", free), ("device total", total))
+    lines = [f"tpu:{index} ({get_device_name(index)}) memory"]
+    lines += [f"  {name:<15} {_bytes(n)}" for name, n in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _bytes(n: int) -> str:
+    """`n` bytes, exactly and in the largest binary unit under 1024 of it: "1,048,576 B (1.0 MiB)"."""
+    value, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{n:,} B" if unit == "B" else f"{n:,} B ({value:.1f} {unit})"
+
+
 def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
     index = _index(device)
     storage.stats.peak[index] = storage.stats.allocated.get(index, 0)

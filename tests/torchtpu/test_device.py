@@ -194,6 +194,20 @@ def test_torch_tpu_memory_stats_are_torch_cudas_names_for_the_same_counts():
     assert torch.tpu.memory_reserved(0) == before
 
 
+def test_torch_tpu_memory_summary_states_the_counts():
+    x = torch.empty(1 << 18, device="tpu:0")
+    lines = torch.tpu.memory_summary(0).splitlines()
+    assert lines[0] == f"tpu:0 ({torch.tpu.get_device_name(0)}) memory"
+    stated = {line[:17].strip(): int(line[17:].split(" B")[0].replace(",", "")) for line in lines[1:]}
+    assert stated.keys() == {"allocated now", "allocated peak", "reserved now", "reserved peak", "device free",
+                             "device total"}
+    assert stated["allocated now"] == stated["reserved now"] == torch.tpu.memory_allocated(0) >= x.nbytes
+    assert stated["allocated peak"] == torch.tpu.max_memory_allocated(0)
+    assert stated["device total"] == torch.tpu.get_device_properties(0).total_memory > stated["device free"] > 0
+    assert "MiB)" in lines[1] or stated["allocated now"] >= 1 << 30  # 1 MiB at least: shown in MiB or GiB
+    assert torch.tpu.memory_summary("tpu:0", abbreviated=True).splitlines()[0] == lines[0]
+
+
 def test_torch_accelerator_empty_cache_is_torch_tpus():
     from torchtpu.distributed.host_transport import ReceiveBuffers
 

@@ -50,6 +50,7 @@ def _build(source: Path, target: Path, python: bool) -> None:
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
+        partial.unlink(missing_ok=True)
         raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-2000:]}")
     partial.replace(target)
 
@@ -97,6 +98,10 @@ def _build_once(source: Path, target: Path, python: bool) -> None:
         with open(target.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():
+                # A build cut short (its process killed, or exiting while `prebuild`'s thread
+                # compiled) leaves its partial output; whoever holds the lock removes it.
+                for partial in target.parent.glob(f"{target.stem}.*.tmp"):
+                    partial.unlink(missing_ok=True)
                 _build(source, target, python)
 
 

@@ -60,3 +60,13 @@ def test_a_build_that_fails_in_prebuild_is_built_and_reported_by_load(fake_build
     assert "autocast" not in [name for name, _ in built]
     with pytest.raises(RuntimeError, match="building autocast.cpp failed: no compiler"):
         native.load("autocast")
+
+
+def test_a_build_cut_short_leaves_no_partial_library_behind(fake_builds, tmp_path):
+    source, target = native._source_and_target("autocast")
+    stale = tmp_path / f"{target.stem}.12345.tmp"  # as a process killed while compiling leaves it
+    stale.write_bytes(b"half a library")
+    other = tmp_path / "device_guard-0123456789abcdef.12345.tmp"  # another library's: not this build's
+    other.write_bytes(b"")
+    native._build_once(source, target, native.LIBRARIES["autocast"])
+    assert target.exists() and not stale.exists() and other.exists()

@@ -47,6 +47,11 @@ class Runtime:
     def on_tpu(self) -> bool:
         return self.platform == "tpu"
 
+    @property
+    def device_memory_is_host(self) -> bool:
+        """Device buffers live in host memory (the CPU stand-in): a host view of one needs no copy."""
+        return self.platform == "cpu"
+
 
 @dataclass(frozen=True)
 class DistributedConfig:

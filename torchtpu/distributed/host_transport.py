@@ -55,7 +55,7 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with `t`'s value; a view of its device memory where that is host
     memory (treat it as read-only: device buffers are immutable)."""
     array = memory.to_array(t)
-    if runtime.runtime().platform == "cpu":
+    if runtime.runtime().device_memory_is_host:
         return _host_memory(array, t.shape)
     return memory.numpy_to_torch(np.asarray(array)).view(t.shape)
 
@@ -116,7 +116,7 @@ def claim(t: torch.Tensor) -> torch.Tensor | None:
     the runtime collects its garbage (at its next program call, or here), so the collection comes
     before the reference count is read.
     """
-    if runtime.runtime().platform != "cpu":
+    if not runtime.runtime().device_memory_is_host:
         return None
     owned = _claimed(t, storage.buffer_of(t))
     return None if owned is None else _over(owned, t.shape)
@@ -372,7 +372,7 @@ class _Staging:
     def __init__(self, buffers: ReceiveBuffers, results: ResultArrays | None = None) -> None:
         self.buffers = buffers
         self.results = results
-        self.host_memory = runtime.runtime().platform == "cpu"  # device memory is host memory
+        self.host_memory = runtime.runtime().device_memory_is_host
         self.held: list = []  # inputs and claimed outputs (or their exports), until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.adopted: list = []  # (output's buffer, pooled array that becomes its value)
@@ -481,7 +481,7 @@ class HostTransport:
         self._pairwise = pairwise
         self._rank = rank
         self._buffers = ReceiveBuffers()
-        self._results = ResultArrays() if runtime.runtime().platform == "cpu" else None
+        self._results = ResultArrays() if runtime.runtime().device_memory_is_host else None
         # Gloo holds only borrowed views: the staging of each launched collective stays here
         # until gloo reports it completed, even if its work is never waited on or its wait fails
         # (looked at once `_IN_FLIGHT_KEPT` are kept: the staging of a collective never waited

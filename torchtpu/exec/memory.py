@@ -190,7 +190,7 @@ def move_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     Anything else is an ordinary `copy_`. The caller must not use `src` afterwards.
     """
     whole = src.dtype == dst.dtype and src.is_contiguous() and _fills_whole(dst, src)
-    if runtime.runtime().platform != "cpu" or not whole:
+    if not runtime.runtime().device_memory_is_host or not whole:
         return copy_(dst, src)
     storage.buffer_of(dst).value = array_over_host(src.reshape(-1), dst.device.index)
     return dst
@@ -211,7 +211,7 @@ def to_device(src: torch.Tensor, index: int) -> torch.Tensor:
     """A contiguous copy of the `tpu` tensor `src` on `tpu:index`."""
     import jax
 
-    array = to_numpy(src) if runtime.runtime().platform == "cpu" else None
+    array = to_numpy(src) if runtime.runtime().device_memory_is_host else None
     if array is None:
         # UNTESTED on TPU: device-to-device transfer without a host round trip.
         value = jax.device_put(_contiguous_value(src), runtime.jax_device(index))

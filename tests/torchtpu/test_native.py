@@ -4,30 +4,39 @@ import all at once."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from torchtpu import native
 
 
+class _FakeBuilds:
+    """What the fake `native._build` did: the libraries built and the thread that built each;
+    which builds fail; and, when `meeting` is set, a barrier every build waits at (so builds made
+    one after another break it)."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple[str, str]] = []
+        self.failing: set[str] = set()
+        self.meeting: threading.Barrier | None = None
+
+
 @pytest.fixture
 def fake_builds(tmp_path, monkeypatch):
-    """`native._build` replaced by one that takes 0.3 s and writes the target, recording which
-    thread built what; the cache is `tmp_path`, empty."""
+    """`native._build` replaced by one that writes the target; the cache is `tmp_path`, empty."""
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
-    built: list[tuple[str, str]] = []
-    failing: set[str] = set()
+    builds = _FakeBuilds()
 
     def build(source, target, python):
-        time.sleep(0.3)
-        if source.stem in failing:
+        if builds.meeting is not None:
+            builds.meeting.wait(timeout=10)  # BrokenBarrierError unless every build is under way
+        if source.stem in builds.failing:
             raise RuntimeError(f"building {source.name} failed: no compiler")
-        built.append((source.stem, threading.current_thread().name))
+        builds.built.append((source.stem, threading.current_thread().name))
         target.write_bytes(b"")
 
     monkeypatch.setattr(native, "_build", build)
-    return built, failing
+    return builds
 
 
 def _wait_for_builds() -> None:
@@ -37,27 +46,23 @@ def _wait_for_builds() -> None:
 
 
 def test_prebuild_builds_every_library_once_side_by_side(fake_builds):
-    built, _ = fake_builds
-    start = time.perf_counter()
+    fake_builds.meeting = threading.Barrier(len(native.LIBRARIES))  # all builds at once, or none
     native.prebuild()
     for name, python in native.LIBRARIES.items():  # as `load` does: waits for the build under way
         native._build_once(*native._source_and_target(name), python)
-    elapsed = time.perf_counter() - start
-    assert sorted(name for name, _ in built) == sorted(native.LIBRARIES)
-    assert all(thread == f"torchtpu-build-{name}" for name, thread in built)
-    assert elapsed < 0.3 * len(native.LIBRARIES) - 0.2, "the builds ran one after another"
+    assert sorted(name for name, _ in fake_builds.built) == sorted(native.LIBRARIES)
+    assert all(thread == f"torchtpu-build-{name}" for name, thread in fake_builds.built)
     _wait_for_builds()
     native.prebuild()  # all built: nothing to start
     assert not [t for t in threading.enumerate() if t.name.startswith("torchtpu-build-")]
-    assert len(built) == len(native.LIBRARIES)
+    assert len(fake_builds.built) == len(native.LIBRARIES)
 
 
 def test_a_build_that_fails_in_prebuild_is_built_and_reported_by_load(fake_builds):
-    built, failing = fake_builds
-    failing.add("autocast")
+    fake_builds.failing.add("autocast")
     native.prebuild()
     _wait_for_builds()
-    assert "autocast" not in [name for name, _ in built]
+    assert "autocast" not in [name for name, _ in fake_builds.built]
     with pytest.raises(RuntimeError, match="building autocast.cpp failed: no compiler"):
         native.load("autocast")
 

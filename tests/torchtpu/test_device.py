@@ -204,8 +204,16 @@ def test_torch_tpu_memory_summary_states_the_counts():
     assert stated["allocated now"] == stated["reserved now"] == torch.tpu.memory_allocated(0) >= x.nbytes
     assert stated["allocated peak"] == torch.tpu.max_memory_allocated(0)
     assert stated["device total"] == torch.tpu.get_device_properties(0).total_memory > stated["device free"] > 0
-    assert "MiB)" in lines[1] or stated["allocated now"] >= 1 << 30  # 1 MiB at least: shown in MiB or GiB
     assert torch.tpu.memory_summary("tpu:0", abbreviated=True).splitlines()[0] == lines[0]
+
+
+def test_memory_summary_sizes_read_exactly_and_in_a_binary_unit():
+    from torchtpu.device import _bytes
+
+    assert _bytes(100) == "100 B"
+    assert _bytes(1536) == "1,536 B (1.5 KiB)"
+    assert _bytes(1 << 20) == "1,048,576 B (1.0 MiB)"
+    assert _bytes(3 << 40) == "3,298,534,883,328 B (3.0 TiB)"
 
 
 def test_torch_accelerator_empty_cache_is_torch_tpus():

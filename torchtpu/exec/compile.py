@@ -219,12 +219,7 @@ class CompiledGraph:
 
             from torchtpu import dtypes
 
-            buffers: list[Any] = [None] * len(storages)
-            for index, flat in zip(inputs, flat_inputs):
-                buffers[index] = flat
-            for index, spec in enumerate(storages):
-                if buffers[index] is None:
-                    buffers[index] = jnp.zeros(spec.numel, dtypes.to_jax(spec.dtype))
+            buffers = opcall.storage_values(storages, inputs, flat_inputs)
             dyn = flat_inputs[len(inputs):]
             values = []
             for ref in refs:

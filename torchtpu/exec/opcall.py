@@ -20,7 +20,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -392,51 +392,42 @@ class Encoder:
                 parts.append(None)
             elif kind is _TENSOR:
                 if type(v) in _NUMBERS:
-                    dynamic.append(v)  # a wrapped number
-                    parts.append(type(v))
-                    continue
-                buffer = getattr(v.untyped_storage(), BUFFER_ATTR, None)
-                if buffer is None and v.device.type == "cpu" and v.dim() == 0:
+                    parts.append(_runtime_scalar(v, dynamic))  # a wrapped number
+                elif v.is_cpu and v.dim() == 0:
                     dynamic.append(v.item())  # a host scalar, as `Inputs.tensor` reads it
                     parts.append(("host", v.dtype))
-                    continue
-                if buffer is None or buffer.untyped or buffer.sharded:
-                    raise GeneralEncoding
-                index = seen.get(id(buffer))
-                if index is None:
-                    index = seen[id(buffer)] = len(buffers)
-                    buffers.append(buffer)
-                strides = v.stride()
-                offset = v.storage_offset()
-                if offset:
-                    offset = _dynamic_offset(dynamic, offset, v.shape, strides, learn=False)
-                parts.append((index, v.dtype, v.shape, strides, offset, v.is_conj(), v.is_neg()))
+                else:
+                    parts.append(tensor_layout(v, buffers, seen, dynamic))
             elif kind is _STATIC:
                 parts.append(None if _is_tpu_generator(v) else _freeze(v) if isinstance(v, (list, tuple)) else v)
             elif kind is _SCALAR:
-                if not dynamic_scalars or (has_default and v == default and type(v) is type(default)):
+                if not dynamic_scalars or _is_default(v, has_default, default):
                     parts.append((type(v), v))
-                elif type(v) in _NUMBERS:
-                    dynamic.append(v)
-                    parts.append(type(v))
                 else:
-                    raise GeneralEncoding
+                    parts.append(_runtime_scalar(v, dynamic))
             elif kind is _TENSOR_LIST:
                 parts.append(tuple([None if t is None else tensor_layout(t, buffers, seen, dynamic) for t in v]))
             else:  # SCALAR_LIST
-                items = []
-                for x in v:
-                    if not dynamic_scalars or x is None:
-                        items.append((type(x), x))
-                    elif type(x) in _NUMBERS:
-                        dynamic.append(x)
-                        items.append(type(x))
-                    else:
-                        raise GeneralEncoding
-                parts.append(tuple(items))
+                parts.append(tuple([(type(x), x) if not dynamic_scalars or x is None else _runtime_scalar(x, dynamic)
+                                    for x in v]))
         if not buffers:
             raise GeneralEncoding  # the device comes from a device argument or the current device
         return (precision.get_mode(), tuple(parts), storages_layout(buffers)), buffers, dynamic
+
+
+def _runtime_scalar(v, dynamic: list) -> type:
+    """A Scalar taken at run time: its value goes to `dynamic`, its type into the layout (as
+    `Inputs.value` keys it). Only Python numbers: anything else takes the general encoding."""
+    if type(v) not in _NUMBERS:
+        raise GeneralEncoding
+    dynamic.append(v)
+    return type(v)
+
+
+def _is_default(v, has_default: bool, default) -> bool:
+    """Whether a Scalar is left at its default (`alpha=1`): it then stays static in both
+    encodings, so that the lowering can skip it."""
+    return has_default and v == default and type(v) is type(default)
 
 
 def tensor_layout(t, buffers: list, seen: dict, dynamic: list | None = None) -> tuple:
@@ -497,8 +488,7 @@ def _encode(op: OpOverload, args: tuple, kwargs: dict, lowering: registry.Loweri
                 v = values[len(encoded)] = _indices_on_device(v, call.device)
             encoded.append(None if v is None else tuple(tensor(t) for t in v))
         elif kind is ArgKind.SCALAR:
-            # A Scalar left at its default (`alpha=1`) stays static: the lowering can then skip it.
-            encoded.append(_freeze(v) if arg.has_default and v == arg.default and type(v) is type(arg.default) else scalar(v))
+            encoded.append(_freeze(v) if _is_default(v, arg.has_default, arg.default) else scalar(v))
         elif kind is ArgKind.SCALAR_LIST:
             encoded.append(None if v is None else tuple(scalar(s) for s in v))
         elif _is_tpu_generator(v):
@@ -767,6 +757,21 @@ def read_tensor(flat, ref: TensorRef):
     return _math_bits(strided.read(flat, ref.geometry), ref)
 
 
+def storage_values(storages: Sequence[StorageSpec], inputs: tuple[int, ...], flat_inputs: Sequence) -> list:
+    """Every storage's flat value inside a program: the program's first arguments are those of
+    the storages numbered in `inputs` (the initialised ones); any other storage reads as zeros
+    (a never-written `torch.empty` has no buffer)."""
+    import jax.numpy as jnp
+
+    values: list[Any] = [None] * len(storages)
+    for index, flat in zip(inputs, flat_inputs):
+        values[index] = flat
+    for index, spec in enumerate(storages):
+        if values[index] is None:
+            values[index] = jnp.zeros(spec.numel, dtypes.to_jax(spec.dtype))
+    return values
+
+
 def write_tensor(flat, ref: TensorRef, value):
     import jax.numpy as jnp
 
@@ -836,12 +841,7 @@ def build(call: Call) -> Program:
     def program(*flat_inputs):
         import jax.numpy as jnp
 
-        buffers: list[Any] = [None] * len(storages)
-        for index, flat in zip(inputs, flat_inputs):
-            buffers[index] = flat
-        for index, spec in enumerate(storages):
-            if buffers[index] is None:
-                buffers[index] = jnp.zeros(spec.numel, dtypes.to_jax(spec.dtype))
+        buffers = storage_values(storages, inputs, flat_inputs)
         dyn = flat_inputs[len(inputs):]
 
         def value(enc):

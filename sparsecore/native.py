@@ -39,6 +39,7 @@ def _compile(source: Path, include_dirs: Sequence[str], target: Path) -> None:
     command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", *includes, str(source), "-o", str(partial)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
+        partial.unlink(missing_ok=True)
         raise RuntimeError(f"building {source.name} failed:\n{result.stderr[-2000:]}")
     partial.replace(target)
 
@@ -54,5 +55,9 @@ def library(source: Path, include_dirs: tuple[str, ...] = (), stamp: str = "") -
         with open(target.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():
+                # A build cut short (its process killed) leaves its partial output; whoever
+                # holds the lock removes it.
+                for partial in target.parent.glob(f"{target.stem}.*.tmp"):
+                    partial.unlink(missing_ok=True)
                 _compile(source, include_dirs, target)
     return ctypes.CDLL(str(target))

@@ -48,3 +48,15 @@ def _release_compiled_programs():
     if torchtpu is not None:
         torchtpu.clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def failing_compiler(tmp_path, monkeypatch):
+    """`$CXX` set to a compiler that writes part of its output, then fails with "undefined
+    reference to foo" (as a failed link can): what a failed build must clean up after."""
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text('#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\necho partial > "$2"\n'
+                        'echo "undefined reference to foo" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    return compiler

@@ -75,3 +75,11 @@ def test_a_build_cut_short_leaves_no_partial_library_behind(fake_builds, tmp_pat
     other.write_bytes(b"")
     native._build_once(source, target, native.LIBRARIES["autocast"])
     assert target.exists() and not stale.exists() and other.exists()
+
+
+def test_a_failed_compile_reports_the_compiler_and_leaves_no_partial_library(tmp_path, failing_compiler):
+    source, _ = native._source_and_target("autocast")
+    target = tmp_path / "autocast-0123456789abcdef.so"
+    with pytest.raises(RuntimeError, match="building autocast.cpp failed:\n.*undefined reference to foo"):
+        native._build(source, target, native.LIBRARIES["autocast"])
+    assert list(tmp_path.iterdir()) == [failing_compiler]

@@ -866,7 +866,7 @@ def build(call: Call) -> Program:
         flags = tuple(flag for flag, _ in ctx.checks)
 
         if sig.written:
-            flat_out = out if isinstance(out, (tuple, list)) else (out,)
+            flat_out = tuple(_flatten(out))  # a list output fills its tensors one by one
             for ref, val in zip(write_refs, flat_out):
                 buffers[ref.storage] = write_tensor(buffers[ref.storage], resolved(ref, dyn), val)
             return tuple(buffers[i] for i in written) + flags

@@ -2,6 +2,7 @@
 
 from torchtpu.ops import (  # noqa: F401
     activations,
+    amp,
     comparison,
     complex,
     conv,

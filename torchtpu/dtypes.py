@@ -47,3 +47,9 @@ def from_jax(dtype) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     return _TO_NUMPY[dtype].itemsize
+
+
+def aten_name(dtype: torch.dtype) -> str:
+    """ATen's name of `dtype` in its error messages (`Long`, `BFloat16`, `ComplexFloat`), for
+    lowerings that raise what a CPU kernel raises."""
+    return torch.empty((), dtype=dtype, device="meta").type().rsplit(".", 1)[-1].removesuffix("Tensor")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
+from torchtpu import dtypes
 from torchtpu.ops import registry
 
 aten = torch.ops.aten
@@ -35,12 +36,7 @@ def _check_unscale(grads, found_inf, inv_scale) -> None:
     for grad in grads:
         if not grad.is_floating_point():
             raise NotImplementedError(f'"_amp_foreach_non_finite_check_and_unscale_cpu" not implemented for '
-                                      f"'{_type_name(grad.dtype)}'")
-
-
-def _type_name(dtype: torch.dtype) -> str:
-    """ATen's name of a dtype in dispatch errors (`Long`, `ComplexFloat`)."""
-    return torch.empty((), dtype=dtype, device="meta").type().rsplit(".", 1)[-1].removesuffix("Tensor")
+                                      f"'{dtypes.aten_name(grad.dtype)}'")
 
 
 @registry.register(aten._amp_foreach_non_finite_check_and_unscale.default, validate=_check_unscale)

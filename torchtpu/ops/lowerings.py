@@ -12,6 +12,7 @@ from torchtpu.ops import (  # noqa: F401
     foreach,
     embedding,
     fft,
+    fused_optimizers,
     histograms,
     indexing,
     linalg,

@@ -168,3 +168,13 @@ def histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
             raise RuntimeError(f"torch.histogramdd: bins tensor should have at least 1 element, but got 0 elements "
                                f"in the bin tensor for dimension {dim}")
     return x.new_empty(tuple(edges.numel() - 1 for edges in bins))
+
+
+def _optimizer_step(*args, **kwargs) -> None:
+    """An in-place optimizer step (`_fused_sgd_`, ...): it returns nothing and changes no
+    tensor's metadata."""
+
+
+for _op in (aten._fused_adam_.tensor_lr, aten._fused_adamw_.tensor_lr, aten._fused_sgd_.default,
+            aten._fused_sgd_.tensor_lr, aten._fused_adagrad_.default, aten._fused_adagrad_.tensor_lr):
+    _meta(_op)(_optimizer_step)

@@ -22,7 +22,9 @@ from torchtpu import random as _random
 from torchtpu import device_guard, runtime, storage
 from torchtpu import events as _events
 from torchtpu.events import Event  # noqa: F401 (torch.tpu.Event)
-from torchtpu.streams import Stream, current_stream, default_stream, stream  # noqa: F401 (torch.tpu's streams)
+from torchtpu.streams import (  # noqa: F401 (torch.tpu's streams)
+    Stream, StreamContext, current_stream, default_stream, set_stream, stream,
+)
 
 
 class Precision(enum.Enum):
@@ -83,6 +85,14 @@ def device(device: int | str | torch.device) -> Iterator[None]:
         yield
     finally:
         device_guard.set_current_device(previous)
+
+
+def device_of(obj: object) -> contextlib.AbstractContextManager:
+    """Context manager that makes `obj`'s device current if it is a tpu tensor, else changes
+    nothing (`torch.cuda.device_of`)."""
+    if isinstance(obj, torch.Tensor) and obj.device.type == "tpu":
+        return device(obj.device)
+    return contextlib.nullcontext()
 
 
 def synchronize(device: int | str | torch.device | None = None) -> None:

@@ -11,12 +11,9 @@ instead of overlapped.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
-__all__ = ["Stream", "current_stream", "default_stream", "stream"]
+__all__ = ["Stream", "StreamContext", "current_stream", "default_stream", "set_stream", "stream"]
 
 
 class Stream(torch.Stream):
@@ -66,15 +63,43 @@ def default_stream(device: int | str | torch.device | None = None) -> Stream:
     return Stream(device)
 
 
-@contextlib.contextmanager
-def stream(stream: Stream | None) -> Iterator[None]:
-    """Issue the block's work to `stream`: its device's one queue, where it goes anyway; makes
-    the stream's device current meanwhile, as CUDA's does. `None` changes nothing."""
+class StreamContext:
+    """Context manager that issues the block's work to `stream`: its device's one queue, where it
+    goes anyway; makes the stream's device current meanwhile and restores the previous one, as
+    CUDA's does. `None` changes nothing."""
+
+    def __init__(self, stream: Stream | None) -> None:
+        if stream is not None:
+            _check_is_tpu_stream("torch.tpu.stream", stream)
+        self.stream = stream
+        self._previous: int | None = None
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            from torchtpu import device as tpu
+
+            self._previous = tpu.current_device()
+            tpu.set_device(self.stream.device)
+
+    def __exit__(self, *exc_info) -> None:
+        if self._previous is not None:
+            from torchtpu import device_guard
+
+            device_guard.set_current_device(self._previous)
+            self._previous = None
+
+
+def stream(stream: Stream | None) -> StreamContext:
+    """`with torch.tpu.stream(s):` issues the block's work to `s` (`StreamContext`)."""
+    return StreamContext(stream)
+
+
+def set_stream(stream: Stream | None) -> None:
+    """Make `stream` current: its device becomes the current device (a device has one queue), as
+    `torch.cuda.set_stream` makes the stream's device current. `None` changes nothing."""
     if stream is None:
-        yield
         return
-    _check_is_tpu_stream("torch.tpu.stream", stream)
+    _check_is_tpu_stream("torch.tpu.set_stream", stream)
     from torchtpu import device as tpu
 
-    with tpu.device(stream.device):
-        yield
+    tpu.set_device(stream.device)

@@ -164,3 +164,24 @@ def test_torch_streams_of_tpu_are_the_device_queue():
     product.record_stream(stream)  # nothing to record: buffers outlive the programs reading them
     stream.wait_event(torch.Event(device="tpu"))
     torch.testing.assert_close(product.cpu(), torch.full((2048, 2048), 1.0 / 2048))
+
+
+def test_set_stream_and_device_of_make_a_device_current_as_cudas_do():
+    before = torch.tpu.current_device()
+    try:
+        torch.tpu.set_stream(torch.tpu.Stream(2))
+        assert torch.tpu.current_device() == 2 and torch.tpu.current_stream() == torch.tpu.Stream(2)
+        torch.tpu.set_stream(None)
+        assert torch.tpu.current_device() == 2
+        with torch.tpu.StreamContext(torch.tpu.Stream(1)):
+            assert torch.tpu.current_device() == 1
+        assert torch.tpu.current_device() == 2
+        with torch.tpu.device_of(torch.ones(1, device="tpu:3")):
+            assert torch.tpu.current_device() == 3
+        with torch.tpu.device_of(torch.ones(1)):  # not a tpu tensor: nothing changes
+            assert torch.tpu.current_device() == 2
+        assert torch.tpu.current_device() == 2
+        with pytest.raises(TypeError, match="torch.tpu.set_stream expects a torch.tpu.Stream"):
+            torch.tpu.set_stream(torch.cpu.Stream())
+    finally:
+        torch.tpu.set_device(before)

@@ -23,6 +23,7 @@ from torchtpu.ops import (  # noqa: F401
     pooling,
     random,
     reduction,
+    rnn,
     sampling,
     segment,
     shape,

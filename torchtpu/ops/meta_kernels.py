@@ -178,3 +178,16 @@ def _optimizer_step(*args, **kwargs) -> None:
 for _op in (aten._fused_adam_.tensor_lr, aten._fused_adamw_.tensor_lr, aten._fused_sgd_.default,
             aten._fused_sgd_.tensor_lr, aten._fused_adagrad_.default, aten._fused_adagrad_.tensor_lr):
     _meta(_op)(_optimizer_step)
+
+
+@_meta(aten._thnn_fused_gru_cell.default)
+def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    return torch.empty_like(hx), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))
+
+
+@_meta(aten._thnn_fused_gru_cell_backward.default)
+def fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    batch, hidden = grad_hy.shape
+    gates = grad_hy.new_empty((batch, 3 * hidden))
+    biases = (grad_hy.new_empty(3 * hidden), grad_hy.new_empty(3 * hidden)) if has_bias else (None, None)
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), *biases

@@ -1,7 +1,7 @@
 """Bus bandwidth of tpu_dist collectives on `tpu` tensors next to gloo on CPU tensors.
 
     python benchmarks/collectives.py [--world-size 2] [--sizes-mib 1 16 64] [--iters N] [--trials 7]
-                                     [--seconds 5.0] [--tensors tpu|cpu]
+                                     [--seconds 3.0] [--launches 3] [--tensors tpu|cpu]
 
 Spawns one process per rank (as torchrun would; on the CPU stand-in each rank drives tpu:<rank>).
 Both sides run the same collective on the same number of bytes in the same processes: gloo on CPU
@@ -14,31 +14,37 @@ now and then (~4-6 ms, against ~0.6 ms for a 1 MiB all-to-all), and one such sta
 block of ten 1 MiB calls. Each size runs at least `--trials` trials, and more where blocks are
 short, so that each side's timed blocks last about `--seconds` in all (estimated from one untimed
 gloo block; the ranks agree on the largest count): a 1 MiB block lasts ~20-30 ms against ~0.3-0.6 s
-at 64 MiB. About a tenth of the calls stall (~3 ms, gloo's as often as tpu_dist's), so a block of
-thirty 1 MiB calls holds a few stalls more or less from trial to trial and the ratio within a trial
-spreads by ~+-20%: with seven trials the 1 MiB ratio swung between runs as much as gloo's own
-bandwidth does (0.37-0.66 GB/s), with ~1 s of blocks (10-60 trials) by ~+-0.1. The default ~5 s (up
-to 200 trials) pins the median of a run down, yet from run to run the 1 MiB ratio still moves by
-~+-0.1 (0.83-1.10 over four runs of this code): the host's load changes between runs, and tpu_dist
-spends more CPU per call than gloo (~0.1-0.15 ms of ~0.7), which costs more when the cores are
-busier. From 4 MiB on the ratios moved less (0.91-1.14 over the same runs). The count follows only
-the block's length, never the ratio. Reported: the median block of each side as bus bandwidth, the
-median over trials of the ratio within a trial (tpu_dist / gloo), and the quartiles of those ratios,
-the spread of a single trial's ratio. Bus bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of
-the buffer per rank, all_to_all (n-1)/n. The all-to-alls run twice: into the same output every call,
-and into a new output each call, as TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the
-backend itself should add next to nothing to the transport it runs on. (One thing it adds on
-purpose: before an all-to-all every rank's sizes are agreed -- a small point-to-point message to
-each peer, skipped while sizes repeat -- so that mismatched splits raise instead of hanging; gloo
-checks nothing.) `--tensors cpu` gives tpu_dist CPU tensors (its group serves both): its transport
-alone, without reading and claiming device buffers, which tells the two costs apart (all-to-alls at
-1 MiB on a 2-core Xeon, four runs: 0.85-1.06x gloo, against 0.74-1.02x with tpu tensors). Its
-all_reduce is gloo's own, so that row's ratio shows how far a run's noise alone moves it.
+at 64 MiB. About a tenth of the calls stall (~3 ms, gloo's as often as tpu_dist's), so the ratio
+within a trial spreads by ~+-20%; a few seconds of blocks (up to 200 trials) pin down the median
+of a launch.
+
+The whole measurement runs `--launches` times, in fresh processes each time, and the ratio
+reported is the median over launches. Within a launch, each gloo device's transport thread keeps
+the place the scheduler gave it, and that decides more than most changes to the code: on two
+cores, the same bare exchange on two gloo devices of the same structure differed by ~100 us of
+transport-thread CPU per 1 MiB call, ~250 us of wall time, and which device was the faster one
+changed from launch to launch (`docs/tpu_dist-performance.md`). So one launch's ratio at 1 MiB
+moved by ~+-0.1 between launches of the same code, however many trials it ran, while its trials
+agreed with each other; more launches, not longer ones, pin the ratio down.
+
+Reported: per row, each side's bus bandwidth (the median block of a launch, median over launches),
+the ratio tpu_dist / gloo (a launch's median over trials of the ratio within a trial, median over
+launches), and every launch's ratio with the quartiles of its trials' ratios. Bus bandwidth
+follows nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_to_all (n-1)/n. The
+all-to-alls run twice: into the same output every call, and into a new output each call, as
+TorchRec's do every step. The goal is tpu_dist >= 0.9x gloo: the backend itself should add next to
+nothing to the transport it runs on. (One thing it adds on purpose: before an all-to-all every
+rank's sizes are agreed -- a small point-to-point message to each peer, skipped while sizes repeat
+-- so that mismatched splits raise instead of hanging; gloo checks nothing.) `--tensors cpu` gives
+tpu_dist CPU tensors (its group serves both): its transport alone, without reading and claiming
+device buffers, which tells the two costs apart. Its all_reduce is gloo's own, so that row's ratio
+shows how far noise alone moves a ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
@@ -103,7 +109,7 @@ def _trial_count(block_seconds: float, trials: int, seconds: float, group) -> in
 
 
 def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int], iters: int | None,
-          trials: int, seconds: float, tensor_kind: str) -> None:
+          trials: int, seconds: float, tensor_kind: str, result: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), TORCHTPU_LOCK_DIR=lock_dir, TORCHTPU_NUM_DEVICES=str(world),
@@ -144,19 +150,9 @@ def _rank(rank: int, world: int, port: int, lock_dir: str, sizes_mib: list[int],
             rows.append((name, mib, count, bus / statistics.median(times["gloo"]),
                          bus / statistics.median(times["tpu_dist"]), ratio, q1, q3))
     if rank == 0:
-        load_after = os.getloadavg()
-        calls = ", ".join(f"{_block_calls(mib, iters)} at {mib} MiB" for mib in sizes_mib)
-        if tensor_kind == "cpu":
-            print("tpu_dist on cpu tensors: its transport alone, without the device's buffers")
-        print(f"world size {world}; trials of a block of calls per side ({calls}), at least {trials} and "
-              f"~{seconds:g} s of blocks per side; bus bandwidth in GB/s (median block); ratio = median over "
-              f"trials of tpu_dist / gloo, with the quartiles of the trials' ratios")
-        print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-        print(f"{'collective':<20} {'MiB':>5} {'trials':>6} {'gloo cpu':>10} {'tpu_dist':>10} {'ratio':>7} "
-              f"{'quartiles':>11}")
-        for name, mib, count, gloo_bw, tpu_bw, ratio, q1, q3 in rows:
-            print(f"{name:<20} {mib:>5} {count:>6} {gloo_bw:>10.3f} {tpu_bw:>10.3f} {ratio:>7.2f} "
-                  f"{q1:>5.2f}-{q3:.2f}")
+        keys = ("name", "mib", "trials", "gloo_bw", "tpu_bw", "ratio", "q1", "q3")
+        with open(result, "w") as f:
+            json.dump({"load": [load_before[0], os.getloadavg()[0]], "rows": [dict(zip(keys, row)) for row in rows]}, f)
     dist.destroy_process_group()
 
 
@@ -168,19 +164,55 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7, help="trials per size, at least")
     parser.add_argument("--tensors", choices=("tpu", "cpu"), default="tpu",
                         help="what tpu_dist moves: tpu tensors, or cpu tensors (its transport alone)")
-    parser.add_argument("--seconds", type=float, default=5.0,
+    parser.add_argument("--seconds", type=float, default=3.0,
                         help="timed blocks per side and size, about (more trials where blocks are short)")
+    parser.add_argument("--launches", type=int, default=3,
+                        help="launches of fresh processes, each timing every row (the ratio is their median)")
     args = parser.parse_args()
+    if args.launches < 1:
+        parser.error("--launches must be at least 1")
+    launches = [_launch(args) for _ in range(args.launches)]
+    _report(launches, args)
+
+
+def _launch(args: argparse.Namespace) -> dict:
+    """One launch of `args.world_size` fresh processes: rank 0's rows and load averages."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="tpu-dist-bench-") as lock_dir:
+        result = os.path.join(lock_dir, "rows.json")
         mp.start_processes(
             _rank,
-            args=(args.world_size, port, lock_dir, args.sizes_mib, args.iters, args.trials, args.seconds, args.tensors),
+            args=(args.world_size, port, lock_dir, args.sizes_mib, args.iters, args.trials, args.seconds,
+                  args.tensors, result),
             nprocs=args.world_size,
             start_method="spawn",
         )
+        with open(result) as f:
+            return json.load(f)
+
+
+def _report(launches: list[dict], args: argparse.Namespace) -> None:
+    """One line per row: bus bandwidths and ratio as the median over launches, then each
+    launch's ratio with the quartiles of its trials' ratios."""
+    if args.tensors == "cpu":
+        print("tpu_dist on cpu tensors: its transport alone, without the device's buffers")
+    calls = ", ".join(f"{_block_calls(mib, args.iters)} at {mib} MiB" for mib in args.sizes_mib)
+    print(f"world size {args.world_size}; {len(launches)} launches of fresh processes; in each, trials of a block "
+          f"of calls per side ({calls}), at least {args.trials} and ~{args.seconds:g} s of blocks per side")
+    print("bus bandwidth in GB/s (median block of a launch, median over launches); ratio = median over launches "
+          "of a launch's median over trials of tpu_dist / gloo; per launch: that ratio (quartiles of its trials)")
+    loads = "; ".join(f"{launch['load'][0]:.2f} -> {launch['load'][1]:.2f}" for launch in launches)
+    print(f"load average (1 min) before -> after each launch: {loads}")
+    print(f"{'collective':<20} {'MiB':>4} {'gloo cpu':>9} {'tpu_dist':>9} {'ratio':>6}  per launch")
+    for i, (name, mib) in enumerate((row["name"], row["mib"]) for row in launches[0]["rows"]):
+        rows = [launch["rows"][i] for launch in launches]
+        gloo_bw = statistics.median(row["gloo_bw"] for row in rows)
+        tpu_bw = statistics.median(row["tpu_bw"] for row in rows)
+        ratio = statistics.median(row["ratio"] for row in rows)
+        each = "  ".join(f"{row['ratio']:.2f} ({row['q1']:.2f}-{row['q3']:.2f})" for row in rows)
+        print(f"{name:<20} {mib:>4} {gloo_bw:>9.3f} {tpu_bw:>9.3f} {ratio:>6.2f}  {each}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,15 @@ def list_length(collective: str, name: str, tensors: Sequence[torch.Tensor], wor
         )
 
 
+def same_count(collective: str, name: str, tensors: Sequence[torch.Tensor], other_name: str,
+               others: Sequence[torch.Tensor]) -> None:
+    """A coalesced call pairs each tensor of one list with the tensor of the other at its place."""
+    if len(tensors) != len(others):
+        raise ValueError(
+            f"tpu_dist {collective}: {len(tensors)} {name} for {len(others)} {other_name}, expected as many"
+        )
+
+
 def same_shapes(collective: str, name: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, like_name: str) -> None:
     for i, t in enumerate(tensors):
         if t.shape != like.shape:
@@ -75,6 +84,22 @@ def one_per_rank(collective: str, name: str, lists: Sequence[Sequence[torch.Tens
     for tensors, like in zip(lists, likes):
         list_length(collective, name, tensors, world)
         same_shapes(collective, name, tensors, like, like_name)
+
+
+def single(collective: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """A rooted collective (reduce, gather, scatter) moves one tensor a call, as gloo's and NCCL's do."""
+    if len(tensors) != 1:
+        raise ValueError(f"tpu_dist {collective}: {name} holds {len(tensors)} tensors, expected one")
+
+
+def rooted_lists(collective: str, name: str, lists: Sequence[Sequence[torch.Tensor]], like: torch.Tensor,
+                 like_name: str, is_root: bool, world: int) -> None:
+    """The list only the root rank passes (gather's outputs, scatter's inputs): there, one tensor
+    per rank shaped like `like`; on every other rank, nothing."""
+    if is_root:
+        one_per_rank(collective, name, lists, [like], like_name, world)
+    elif any(len(tensors) for tensors in lists):
+        raise ValueError(f"tpu_dist {collective}: only the root rank passes {name}")
 
 
 def world_multiple(collective: str, big: torch.Tensor, big_name: str, small: torch.Tensor, small_name: str, world: int) -> None:

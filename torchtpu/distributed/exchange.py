@@ -63,8 +63,8 @@ import torch.distributed as dist
 from torchtpu import counters
 from torchtpu.distributed import checks
 from torchtpu.distributed.checks import ExchangeSizes
-from torchtpu.distributed.pairwise import NOTICES, ROWS, Pairwise, PairwiseWork, tag_of
-from torchtpu.distributed.work import CollectiveError
+from torchtpu.distributed.pairwise import NOTICES, ROWS, Pairwise, tag_of
+from torchtpu.distributed.work import CollectiveError, WorkList
 
 # `stage(sizes)` stages this rank's buffers for an exchange of `sizes` and returns what starts it.
 Stage = Callable[[ExchangeSizes], Callable[[], dist.Work]]
@@ -84,7 +84,7 @@ class SizeExchange:
         self._rows_np = self._rows.numpy()
         self._row_of = list(self._rows)
         self._own_row = [self._row_of[rank]] * size
-        self._incoming: tuple[int, PairwiseWork] | None = None
+        self._incoming: tuple[int, WorkList] | None = None
         # Only a group that guesses has notices to receive (`guesses`: every rank's bytes go
         # through gloo, so a stand-in exchange can match the guess).
         self._notices = _Notices(pairwise, rank, size) if guesses else None
@@ -147,7 +147,7 @@ class SizeExchange:
         counters.count("dist_all_to_all_guessed")
         return work
 
-    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[PairwiseWork, PairwiseWork]:
+    def _gather(self, collective: str, row: tuple[int, ...]) -> tuple[WorkList, WorkList]:
         """Start gathering every rank's `row` into the table: each rank sends every other rank
         its row, into the receives posted for it."""
         try:
@@ -158,7 +158,7 @@ class SizeExchange:
         except RuntimeError as error:
             raise self._failed(collective, error) from error
 
-    def _gathered(self, collective: str, pending: tuple[PairwiseWork, PairwiseWork]) -> np.ndarray:
+    def _gathered(self, collective: str, pending: tuple[WorkList, WorkList]) -> np.ndarray:
         """The gathered table (a copy: the next gather's receives are posted into the table)."""
         try:
             for work in pending:
@@ -169,7 +169,7 @@ class SizeExchange:
             raise self._failed(collective, error) from error
         return table
 
-    def _post(self) -> tuple[int, PairwiseWork]:
+    def _post(self) -> tuple[int, WorkList]:
         """Post the receives of the next gather's rows: its tag, and the receives."""
         tag = self._pairwise.tag(ROWS)
         return tag, self._pairwise.receive(self._row_of, tag)
@@ -177,7 +177,7 @@ class SizeExchange:
     def _failed(self, collective: str, error: RuntimeError, what: str = "exchanging sizes") -> CollectiveError:
         return CollectiveError(f"tpu_dist {collective}: {what} failed on rank {self._rank}: {error}")
 
-    def _stand_in(self, guess: ExchangeSizes) -> Callable[[], PairwiseWork]:
+    def _stand_in(self, guess: ExchangeSizes) -> Callable[[], WorkList]:
         """This rank's part of the guessed exchange when its own call differs from the guess:
         the guessed bytes, sent from and received into scratch buffers."""
         send, recv = guess.splits(self._rank)
@@ -209,7 +209,7 @@ class _Notices:
         self._consumed = np.zeros((2, size), dtype=np.int64)
         self._posted = {(parity, peer): self._post(parity, peer) for parity in (0, 1) for peer in pairwise.peers}
 
-    def send(self, exchange: int) -> PairwiseWork:
+    def send(self, exchange: int) -> WorkList:
         """Tell every peer that this rank's call in guessed exchange number `exchange` differs
         from the guess."""
         parity = exchange % 2
@@ -218,7 +218,7 @@ class _Notices:
             tag = _notice_tag(parity, self._sent[parity, peer])
             messages.append(self._pairwise.send_to(self._notice, peer, tag))
             self._sent[parity, peer] += 1
-        return PairwiseWork(messages)
+        return WorkList(messages)
 
     def received(self, exchange: int) -> bool:
         """Whether a peer sent a notice in guessed exchange number `exchange` (asked once every

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from torchtpu import counters, runtime, storage
 from torchtpu.distributed.checks import ExchangeSizes
-from torchtpu.distributed.pairwise import Pairwise, PairwiseWork, copy_bytes
-from torchtpu.distributed.work import TpuWork
+from torchtpu.distributed.pairwise import Pairwise, copy_bytes
+from torchtpu.distributed.work import TpuWork, WorkList
 from torchtpu.exec import memory
 
 Tensors = Sequence[torch.Tensor]
@@ -376,7 +376,7 @@ class _Staging:
         self.held: list = []  # inputs and claimed outputs (or their exports), until gloo is done
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.adopted: list = []  # (output's buffer, pooled array that becomes its value)
-        self.work: dist.Work | PairwiseWork | None = None
+        self.work: dist.Work | WorkList | None = None
 
     def read(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor with `t`'s value that gloo reads: its storage's own device memory, where
@@ -399,6 +399,13 @@ class _Staging:
         host = self._result_memory(t, buffer)
         copy_bytes(host, host_view(t))
         return host
+
+    def scratch(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor with `t`'s value that gloo may overwrite; what it writes is dropped."""
+        host = self.buffers.take(tuple(t.shape), t.dtype)
+        copy_bytes(host, host_view(t))
+        self.held.append(host)
+        return _borrowed(host)
 
     def receive(self, t: torch.Tensor, splits: list[int] | None = None):
         """A host tensor that gloo writes, the result ending in `t`."""
@@ -489,7 +496,7 @@ class HostTransport:
         self._in_flight: list[_Staging] = []
 
     def _launch(
-        self, collective: str, staging: _Staging, work: dist.Work | PairwiseWork, result: Tensors,
+        self, collective: str, staging: _Staging, work: dist.Work | WorkList, result: Tensors,
         any_source: bool = False,
     ) -> TpuWork:
         staging.work = work
@@ -502,6 +509,19 @@ class HostTransport:
     def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
         s = _Staging(self._buffers, self._results)
         return self._launch("all_reduce", s, self._gloo.allreduce([s.update(t) for t in tensors], opts), tensors)
+
+    def allreduce_coalesced(self, tensors: Tensors, opts: dist.AllreduceCoalescedOptions) -> TpuWork:
+        s = _Staging(self._buffers, self._results)
+        work = self._gloo.allreduce_coalesced([s.update(t) for t in tensors], opts)
+        return self._launch("all_reduce_coalesced", s, work, tensors)
+
+    def reduce(self, tensors: Tensors, opts: dist.ReduceOptions) -> TpuWork:
+        """Gloo uses the other ranks' tensors as scratch space: they get copies instead, and keep
+        their values (as the XLA transport's and NCCL's do)."""
+        s = _Staging(self._buffers, self._results)
+        root = self._rank == opts.rootRank
+        host = [s.update(t) if root else s.scratch(t) for t in tensors]
+        return self._launch("reduce", s, self._gloo.reduce(host, opts), tensors)
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
         s = _Staging(self._buffers, self._results)
@@ -521,6 +541,18 @@ class HostTransport:
         host_in = s.read(input)
         work = self._gloo._allgather_base(s.receive(output), host_in, opts)
         return self._launch("all_gather_into_tensor", s, work, [output])
+
+    def gather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.GatherOptions) -> TpuWork:
+        s = _Staging(self._buffers, self._results)
+        host_in = [s.read(t) for t in inputs]
+        work = self._gloo.gather([[s.receive(t) for t in group] for group in outputs], host_in, opts)
+        return self._launch("gather", s, work, [t for group in outputs for t in group])
+
+    def scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ScatterOptions) -> TpuWork:
+        s = _Staging(self._buffers, self._results)
+        host_in = [[s.read(t) for t in group] for group in inputs]
+        work = self._gloo.scatter([s.receive(t) for t in outputs], host_in, opts)
+        return self._launch("scatter", s, work, outputs)
 
     def reduce_scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ReduceScatterOptions) -> TpuWork:
         s = _Staging(self._buffers, self._results)

@@ -48,40 +48,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import time
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from torchtpu.distributed.work import WorkList
+
 _TAGS = 1 << 29  # tags per sequence: gloo's tags are C ints, and there are three sequences
 
 DATA, ROWS, NOTICES = 0, 1, 2  # the tag sequences
-
-
-class PairwiseWork:
-    """One exchange's messages in flight: waiting waits for every one of them.
-
-    Not a `dist.Work`: only tpu_dist waits on it (making a `dist.Work` costs a few us a call)."""
-
-    __slots__ = ("_messages",)
-
-    def __init__(self, messages: list[dist.Work]) -> None:
-        self._messages = messages
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        while self._messages:
-            if deadline is None:
-                self._messages[0].wait()
-            else:
-                self._messages[0].wait(timedelta(seconds=max(deadline - time.monotonic(), 0.0)))
-            self._messages.pop(0)
-        return True
-
-    def is_completed(self) -> bool:
-        return not self._messages
 
 
 class Pairwise:
@@ -111,13 +88,13 @@ class Pairwise:
         self._next_tags[sequence] = (number + 1) % _TAGS
         return tag_of(sequence, number)
 
-    def send(self, inputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
+    def send(self, inputs: Sequence[torch.Tensor], tag: int) -> WorkList:
         """Send `inputs[j]` to every other rank j."""
-        return PairwiseWork([self.send_to(inputs[j], j, tag) for j in self.peers])
+        return WorkList([self.send_to(inputs[j], j, tag) for j in self.peers])
 
-    def receive(self, outputs: Sequence[torch.Tensor], tag: int) -> PairwiseWork:
+    def receive(self, outputs: Sequence[torch.Tensor], tag: int) -> WorkList:
         """Receive `outputs[i]` from every other rank i."""
-        return PairwiseWork([self.receive_from(outputs[i], i, tag) for i in self.peers])
+        return WorkList([self.receive_from(outputs[i], i, tag) for i in self.peers])
 
     def send_to(self, input: torch.Tensor, destination: int, tag: int) -> dist.Work:
         """Send `input` to rank `destination`."""
@@ -132,7 +109,7 @@ class Pairwise:
         """The other ranks, starting after this one (so that rank 0 is not everyone's first)."""
         return [(self._rank + step) % self._size for step in range(1, self._size)]
 
-    def exchange(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> PairwiseWork:
+    def exchange(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> WorkList:
         """Send `inputs[j]` to rank j and receive `outputs[i]` from rank i, for every other rank;
         copy `inputs[rank]` into `outputs[rank]`.
 
@@ -154,7 +131,7 @@ class Pairwise:
             messages.append(from_[source].recv([outputs[source]], source, tag))
             messages.append(to[destination].send([inputs[destination]], destination, tag))
         copy_bytes(outputs[self._rank], inputs[self._rank])
-        return PairwiseWork(messages)
+        return WorkList(messages)
 
 
 def _devices() -> list:

@@ -37,7 +37,7 @@ from torchtpu.distributed import checks
 from torchtpu.distributed.exchange import SizeExchange
 from torchtpu.distributed.host_transport import HostTransport
 from torchtpu.distributed.pairwise import Pairwise
-from torchtpu.distributed.work import TpuWork
+from torchtpu.distributed.work import TpuWork, WorkList
 
 BACKEND_NAME = "tpu_dist"
 TRANSPORT_ENV = "TORCHTPU_DIST_TRANSPORT"
@@ -143,6 +143,19 @@ class ProcessGroupTPU(dist.ProcessGroup):
         backend = self._route("all_reduce", tensors)
         return backend.allreduce(tensors, opts or c10d.AllreduceOptions())
 
+    def allreduce_coalesced(self, tensors: Tensors, opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work:
+        """All-reduces of several tensors of one dtype as one call (`_coalescing_manager`'s)."""
+        backend = self._route("all_reduce_coalesced", tensors)
+        return backend.allreduce_coalesced(tensors, opts or c10d.AllreduceCoalescedOptions())
+
+    def reduce(self, tensors: Tensors, opts: c10d.ReduceOptions | None = None) -> dist.Work:
+        """The reduction lands on the root rank; every other rank's tensor keeps its value."""
+        opts = opts or c10d.ReduceOptions()
+        backend = self._route("reduce", tensors)
+        checks.single("reduce", "tensors", tensors)
+        checks.root_rank("reduce", opts.rootRank, self._world_size)
+        return backend.reduce(tensors, opts)
+
     def broadcast(self, tensors: Tensors, opts: c10d.BroadcastOptions | None = None) -> dist.Work:
         opts = opts or c10d.BroadcastOptions()
         backend = self._route("broadcast", tensors)
@@ -165,6 +178,44 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def all_gather_single_coalesced(self, output_tensors: Tensors, input_tensors: Tensors,
+                                    opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        """All-gathers into tensors, several as one call (`_coalescing_manager`'s): each in turn,
+        waited on together."""
+        c = "all_gather_into_tensor_coalesced"
+        backend = self._route(c, [*output_tensors, *input_tensors])
+        checks.same_count(c, "output_tensors", output_tensors, "input_tensors", input_tensors)
+        for output, input in zip(output_tensors, input_tensors):
+            checks.world_multiple(c, output, "an output tensor", input, "its input tensor", self._world_size)
+        gather = _single_tensor(backend, "all_gather_single")
+        opts = opts or c10d.AllgatherOptions()
+        works = [gather(output, input, opts) for output, input in zip(output_tensors, input_tensors)]
+        return TpuWork(c, self._group_rank, WorkList(works).wait, output_tensors)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: Sequence[Tensors], input_tensors: Tensors,
+               opts: c10d.GatherOptions | None = None) -> dist.Work:
+        c = "gather"
+        opts = opts or c10d.GatherOptions()
+        backend = self._route(c, [*(t for group in output_tensors for t in group), *input_tensors])
+        checks.single(c, "input_tensors", input_tensors)
+        checks.root_rank(c, opts.rootRank, self._world_size)
+        checks.rooted_lists(c, "output_tensors", output_tensors, input_tensors[0], "the input",
+                            self._group_rank == opts.rootRank, self._world_size)
+        return backend.gather(output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors: Tensors, input_tensors: Sequence[Tensors],
+                opts: c10d.ScatterOptions | None = None) -> dist.Work:
+        c = "scatter"
+        opts = opts or c10d.ScatterOptions()
+        backend = self._route(c, [*output_tensors, *(t for group in input_tensors for t in group)])
+        checks.single(c, "output_tensors", output_tensors)
+        checks.root_rank(c, opts.rootRank, self._world_size)
+        checks.rooted_lists(c, "input_tensors", input_tensors, output_tensors[0], "the output",
+                            self._group_rank == opts.rootRank, self._world_size)
+        return backend.scatter(output_tensors, input_tensors, opts)
+
     def reduce_scatter(self, output_tensors: Tensors, input_tensors: Sequence[Tensors],
                        opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         c = "reduce_scatter"
@@ -180,6 +231,22 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return _single_tensor(backend, "reduce_scatter_single")(output, input, opts or c10d.ReduceScatterOptions())
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, output_tensors: Tensors, input_tensors: Tensors,
+                                        opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+        """Reduce-scatters of tensors, several as one call (`_coalescing_manager`'s): each in
+        turn, waited on together."""
+        c = "reduce_scatter_tensor_coalesced"
+        backend = self._route(c, [*output_tensors, *input_tensors])
+        checks.same_count(c, "output_tensors", output_tensors, "input_tensors", input_tensors)
+        for output, input in zip(output_tensors, input_tensors):
+            checks.world_multiple(c, input, "an input tensor", output, "its output tensor", self._world_size)
+        reduce_scatter = _single_tensor(backend, "reduce_scatter_single")
+        opts = opts or c10d.ReduceScatterOptions()
+        works = [reduce_scatter(output, input, opts) for output, input in zip(output_tensors, input_tensors)]
+        return TpuWork(c, self._group_rank, WorkList(works).wait, output_tensors)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: c10d.AllToAllOptions | None = None) -> dist.Work:

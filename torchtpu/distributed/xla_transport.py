@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtpu import runtime, storage
+from torchtpu import dtypes, runtime, storage
 from torchtpu.distributed import xla_collectives as programs
 from torchtpu.distributed.checks import ExchangeSizes
 from torchtpu.distributed.host_transport import HostTransport
@@ -127,44 +127,90 @@ class XlaTransport:
 
     # --- collectives ------------------------------------------------------------------------
 
-    def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
+    def _all_reduced(self, t: torch.Tensor, op: str):
+        """This rank's row of the all-reduce of every rank's `t`."""
+        value = memory.to_array(t)
+        programs.check_reduce_op(op, value.dtype)
+        mesh = self._mesh_for(t)
+        return self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, value)))
+
+    def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions, collective: str = "all_reduce") -> TpuWork:
         op = _op_name(opts.reduceOp)
         results = []
         for t in tensors:
-            value = memory.to_array(t)
-            programs.check_reduce_op(op, value.dtype)
-            mesh = self._mesh_for(t)
-            out = self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, value)))
+            out = self._all_reduced(t, op)
             self._write(t, out)
             results.append(out)
-        return self._done("all_reduce", results, tensors)
+        return self._done(collective, results, tensors)
+
+    def allreduce_coalesced(self, tensors: Tensors, opts: dist.AllreduceCoalescedOptions) -> TpuWork:
+        return self.allreduce(tensors, opts, "all_reduce_coalesced")
+
+    def reduce(self, tensors: Tensors, opts: dist.ReduceOptions) -> TpuWork:
+        """An all-reduce that only the root writes: the other ranks' tensors keep their values."""
+        op = _op_name(opts.reduceOp)
+        results = []
+        for t in tensors:
+            out = self._all_reduced(t, op)
+            if self._rank == opts.rootRank:
+                self._write(t, out)
+            results.append(out)
+        return self._done("reduce", results, tensors)
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
         source = tensors[opts.rootTensor] if self._rank == opts.rootRank else None
         results = []
         for t in tensors:
-            mesh = self._mesh_for(t)
-            value = memory.to_array(source if source is not None else t)
-            out = self._mine(programs.broadcast(mesh, opts.rootRank)(self._stacked(mesh, value)))
+            out = self._broadcast(t, memory.to_array(source if source is not None else t), opts.rootRank)
             self._write(t, out)
             results.append(out)
         return self._done("broadcast", results, tensors)
 
+    def _broadcast(self, t: torch.Tensor, value, root: int):
+        """The root rank's `value` (every rank passes one of the same shape and dtype)."""
+        mesh = self._mesh_for(t)
+        return self._mine(programs.broadcast(mesh, root)(self._stacked(mesh, value)))
+
+    def scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: dist.ScatterOptions) -> TpuWork:
+        """The root's tensors, stacked and broadcast; each rank writes its own row. This moves
+        the world size times the bytes a scatter needs: scatters are rare (set-up, not steps)."""
+        import jax.numpy as jnp
+
+        (output,) = outputs
+        if self._rank == opts.rootRank:
+            stacked = jnp.stack([memory.to_array(t) for t in inputs[0]])
+        else:
+            stacked = jnp.zeros((self._size, *output.shape), dtypes.to_jax(output.dtype))
+        rows = self._broadcast(output, stacked, opts.rootRank)
+        self._write(output, rows[self._rank])
+        return self._done("scatter", [rows], outputs)
+
+    def _gathered(self, input: torch.Tensor):
+        """Every rank's `input`, stacked in rank order."""
+        mesh = self._mesh_for(input)
+        return self._mine(programs.all_gather(mesh)(self._stacked(mesh, memory.to_array(input))))
+
     def allgather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.AllgatherOptions) -> TpuWork:
         results = []
         for group, input in zip(outputs, inputs):
-            mesh = self._mesh_for(input)
-            rows = self._mine(programs.all_gather(mesh)(self._stacked(mesh, memory.to_array(input))))
+            rows = self._gathered(input)
             for j, out in enumerate(group):
                 self._write(out, rows[j])
             results.append(rows)
         return self._done("all_gather", results, [t for group in outputs for t in group])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
-        mesh = self._mesh_for(input)
-        rows = self._mine(programs.all_gather(mesh)(self._stacked(mesh, memory.to_array(input))))
+        rows = self._gathered(input)
         self._write(output, rows)
         return self._done("all_gather_into_tensor", [rows], [output])
+
+    def gather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.GatherOptions) -> TpuWork:
+        """An all-gather that only the root writes."""
+        rows = self._gathered(inputs[0])
+        for group in outputs:  # the root's one list; none elsewhere
+            for j, out in enumerate(group):
+                self._write(out, rows[j])
+        return self._done("gather", [rows], [t for group in outputs for t in group])
 
     def _reduce_scatter(self, output: torch.Tensor, chunks, op: str):
         mesh = self._mesh_for(output)

@@ -249,6 +249,62 @@ def _send_recv(c: Case):
     return [out], False
 
 
+def _reduce(op):
+    def case(c: Case):
+        """The root's result is gloo's. Gloo leaves scratch in the other ranks' tensors, tpu_dist
+        their values (so its inputs there must be unchanged), so gloo gets copies there."""
+        x = c.data(5, 3)
+        root = c.world - 1
+        c.run(dist.reduce, x if c.device.type == "tpu" or c.rank == root else x.clone(), dst=root, op=OPS[op])
+        return ([x], True) if c.rank == root else ([], False)
+
+    return case
+
+
+def _gather(c: Case):
+    outs = [c.empty(3, 2) for _ in range(c.world)] if c.rank == 0 else None
+    c.run(dist.gather, c.data(3, 2), outs, dst=0)
+    return outs or [], False
+
+
+def _scatter(c: Case):
+    root = c.world - 1
+    out = c.empty(3, 2)
+    sources = [c.data(3, 2, salt=j) for j in range(c.world)] if c.rank == root else None
+    c.run(dist.scatter, out, sources, src=root)
+    return [out], False
+
+
+def _coalesced(c: Case, collective: Callable, *calls: tuple, **kwargs) -> None:
+    """`collective(*args, **kwargs)` for each args of `calls`, coalesced into one call of the group."""
+    with dist._coalescing_manager(group=c.group, async_ops=c.async_op) as coalesced:
+        for args in calls:
+            collective(*args, group=c.group, **kwargs)
+    if c.async_op:
+        coalesced.wait()
+
+
+def _all_reduce_coalesced(op):
+    def case(c: Case):
+        xs = [c.data(5, 3), c.data(4, salt=1)]
+        _coalesced(c, dist.all_reduce, *((x,) for x in xs), op=OPS[op])
+        return xs, True
+
+    return case
+
+
+def _all_gather_into_tensor_coalesced(c: Case):
+    outs = [c.empty(c.world * 3, 2), c.empty(c.world * 5)]
+    _coalesced(c, dist.all_gather_into_tensor, (outs[0], c.data(3, 2)), (outs[1], c.data(5, salt=1)))
+    return outs, False
+
+
+def _reduce_scatter_tensor_coalesced(c: Case):
+    outs = [c.empty(4), c.empty(2, 3)]
+    _coalesced(c, dist.reduce_scatter_tensor, (outs[0], c.data(c.world * 4)), (outs[1], c.data(c.world * 2, 3, salt=1)))
+    return outs, False
+
+
 CASES: dict[str, Callable] = {
     **{f"all_reduce_{op}": _all_reduce(op) for op in OPS},
     **{f"reduce_scatter_{op}": _reduce_scatter(op) for op in OPS},
@@ -264,11 +320,17 @@ CASES: dict[str, Callable] = {
     "all_to_all_single_empty_side": _all_to_all_single_empty_side,
     "all_to_all": _all_to_all,
     "send_recv": _send_recv,
+    **{f"reduce_{op}": _reduce(op) for op in OPS},
+    "gather": _gather,
+    "scatter": _scatter,
+    **{f"all_reduce_coalesced_{op}": _all_reduce_coalesced(op) for op in ("sum", "max")},
+    "all_gather_into_tensor_coalesced": _all_gather_into_tensor_coalesced,
+    "reduce_scatter_tensor_coalesced": _reduce_scatter_tensor_coalesced,
 }
 
 
 # Calls that gloo rejects, so tpu_dist must reject them too; any other exception fails the test.
-REJECTED = {("all_reduce_avg", torch.int64), ("reduce_scatter_avg", torch.int64)}
+REJECTED = {("all_reduce_avg", torch.int64), ("reduce_scatter_avg", torch.int64), ("reduce_avg", torch.int64)}
 
 
 def _outcome(case: Callable, c: Case):
@@ -305,7 +367,7 @@ def xla_transport_vs_gloo(rank: int, world: int, patterns: int) -> None:
     before = torchtpu.metrics()
     # XLA divides by the world size as a multiplication by its reciprocal: AVG within one ulp.
     collectives_vs_gloo(rank, world, ("strict",), small_integers=True,
-                        last_bit=frozenset({"all_reduce_avg", "reduce_scatter_avg"}))
+                        last_bit=frozenset({"all_reduce_avg", "reduce_scatter_avg", "reduce_avg"}))
     all_to_all_fuzz(rank, world, patterns)
     # Its bytes do not all go through gloo, so the group agrees on every all-to-all's sizes.
     after = torchtpu.metrics()
@@ -563,6 +625,23 @@ def errors(rank: int, world: int) -> None:
             [torch.empty(3, device=device)], torch.ones(3, device=device))
     _raises(ValueError, "has 5 elements, expected 2 ranks x 3", dist.all_gather_into_tensor,
             torch.empty(5, device=device), torch.ones(3, device=device))
+    # Rooted and coalesced calls whose arguments do not fit (each raises before anything moves,
+    # so only the rank whose call is wrong makes it).
+    group = dist.group.WORLD
+    if rank == 0:
+        _raises(ValueError, "output_tensors has 1 tensors, expected one per rank (2)", dist.gather,
+                torch.ones(3, device=device), [torch.empty(3, device=device)], dst=0)
+        _raises(ValueError, "input_tensors[1] has shape (4,), but the output has shape (3,)", dist.scatter,
+                torch.empty(3, device=device), [torch.ones(3, device=device), torch.ones(4, device=device)], src=0)
+    else:
+        _raises(ValueError, "only the root rank passes output_tensors", group.gather,
+                [[torch.empty(3, device=device)] * world], [torch.ones(3, device=device)])
+    _raises(ValueError, "tensors holds 2 tensors, expected one", group.reduce,
+            [torch.ones(2, device=device)] * 2)
+    _raises(ValueError, "1 output_tensors for 2 input_tensors, expected as many", group.all_gather_single_coalesced,
+            [torch.empty(4, device=device)], [torch.ones(2, device=device)] * 2)
+    _raises(ValueError, "an input tensor has 3 elements, expected 2 ranks x 2 elements of its output tensor",
+            group.reduce_scatter_single_coalesced, [torch.empty(2, device=device)], [torch.ones(3, device=device)])
 
     # Cpu tensors whose sizes disagree: the same error everywhere (gloo would wait forever).
     _raises(ValueError, "ranks disagree on sizes", dist.all_to_all, [torch.empty(2), torch.empty(2)],
@@ -612,6 +691,12 @@ def tpu_only_group(rank: int, world: int) -> None:
     broadcast = [f"from {rank}"]
     dist.broadcast_object_list(broadcast, src=world - 1)
     assert broadcast == [f"from {world - 1}"], broadcast
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object({"rank": rank}, gathered, dst=0)
+    assert gathered == ([{"rank": r} for r in range(world)] if rank == 0 else None), gathered
+    scattered = [None]
+    dist.scatter_object_list(scattered, [f"to {r}" for r in range(world)] if rank == world - 1 else None, src=world - 1)
+    assert scattered == [f"to {rank}"], scattered
     dist.barrier()
     group = dist.group.WORLD
     dist.destroy_process_group()

@@ -180,17 +180,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, output_tensors: Tensors, input_tensors: Tensors,
                                     opts: c10d.AllgatherOptions | None = None) -> dist.Work:
-        """All-gathers into tensors, several as one call (`_coalescing_manager`'s): each in turn,
-        waited on together."""
-        c = "all_gather_into_tensor_coalesced"
-        backend = self._route(c, [*output_tensors, *input_tensors])
-        checks.same_count(c, "output_tensors", output_tensors, "input_tensors", input_tensors)
-        for output, input in zip(output_tensors, input_tensors):
-            checks.world_multiple(c, output, "an output tensor", input, "its input tensor", self._world_size)
-        gather = _single_tensor(backend, "all_gather_single")
-        opts = opts or c10d.AllgatherOptions()
-        works = [gather(output, input, opts) for output, input in zip(output_tensors, input_tensors)]
-        return TpuWork(c, self._group_rank, WorkList(works).wait, output_tensors)
+        """All-gathers into tensors, several as one call (`_coalescing_manager`'s)."""
+        return self._coalesced("all_gather_into_tensor_coalesced", "all_gather_single", output_tensors,
+                               input_tensors, opts or c10d.AllgatherOptions(), gathers=True)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -234,16 +226,25 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, output_tensors: Tensors, input_tensors: Tensors,
                                         opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
-        """Reduce-scatters of tensors, several as one call (`_coalescing_manager`'s): each in
-        turn, waited on together."""
-        c = "reduce_scatter_tensor_coalesced"
+        """Reduce-scatters of tensors, several as one call (`_coalescing_manager`'s)."""
+        return self._coalesced("reduce_scatter_tensor_coalesced", "reduce_scatter_single", output_tensors,
+                               input_tensors, opts or c10d.ReduceScatterOptions(), gathers=False)
+
+    def _coalesced(self, collective: str, single: str, output_tensors: Tensors, input_tensors: Tensors, opts,
+                   gathers: bool) -> dist.Work:
+        """The single-tensor collective `single` of each output and input in turn, waited on as
+        one work. Where the call `gathers`, each output holds its input once per rank; else each
+        input holds its output once per rank."""
+        c = collective
         backend = self._route(c, [*output_tensors, *input_tensors])
         checks.same_count(c, "output_tensors", output_tensors, "input_tensors", input_tensors)
         for output, input in zip(output_tensors, input_tensors):
-            checks.world_multiple(c, input, "an input tensor", output, "its output tensor", self._world_size)
-        reduce_scatter = _single_tensor(backend, "reduce_scatter_single")
-        opts = opts or c10d.ReduceScatterOptions()
-        works = [reduce_scatter(output, input, opts) for output, input in zip(output_tensors, input_tensors)]
+            if gathers:
+                checks.world_multiple(c, output, "an output tensor", input, "its input tensor", self._world_size)
+            else:
+                checks.world_multiple(c, input, "an input tensor", output, "its output tensor", self._world_size)
+        run = _single_tensor(backend, single)
+        works = [run(output, input, opts) for output, input in zip(output_tensors, input_tensors)]
         return TpuWork(c, self._group_rank, WorkList(works).wait, output_tensors)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

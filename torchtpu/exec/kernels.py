@@ -7,6 +7,9 @@
 - Allocation, transfers and resizing have their own kernels (`torchtpu.exec.memory`).
 - Everything else reaches the boxed fallback: PyTorch's decomposition if there is one, else the
   CPU fallback -- counted, warned once per op, and an error under `TORCHTPU_STRICT_OPS=1`.
+- Sparse layouts (COO, CSR and the other compressed ones) have no tpu kernels: every op that
+  reaches a sparse tpu tensor -- making one included, as `nn.Embedding(sparse=True)`'s backward
+  does -- raises `SparseLayoutError`, saying what to use instead.
 """
 
 from __future__ import annotations
@@ -150,6 +153,22 @@ def _register_lowered(op: OpOverload) -> None:
 def strict_ops() -> bool:
     return os.environ.get("TORCHTPU_STRICT_OPS", "0") not in ("", "0")
 
+
+class SparseLayoutError(NotImplementedError):
+    """An op reached a sparse tpu tensor: the device has dense layouts only."""
+
+
+def refuse_sparse(op: OpOverload, *args, **kwargs) -> Any:
+    """The fallback of the sparse tpu dispatch keys."""
+    raise SparseLayoutError(
+        f"{op}: sparse tensors are not supported on tpu (the device has dense layouts only). Keep "
+        f"sparse tensors on the CPU or make them dense (`.to_dense()`). For embedding tables, use "
+        f"sparse=False, or embeddings.SparseCoreEmbeddingBagCollection / SparseCoreEmbeddingCollection, "
+        f"whose tables are updated in the backward pass, only in the rows a batch looked up."
+    )
+
+
+_SPARSE_KEYS = ("SparsePrivateUse1", "SparseCsrPrivateUse1")
 
 _warned: set[str] = set()
 
@@ -315,7 +334,8 @@ def _returns_alias(op: OpOverload) -> bool:
 
 def register_all() -> None:
     """Install the PrivateUse1 kernels for every lowered op, the view and memory ops, and the
-    fallback. Called once when torchtpu is imported (and again after new lowerings register)."""
+    fallbacks (the sparse keys' refuses every op). Called once when torchtpu is imported (and
+    again after new lowerings register)."""
     for op in _VIEW_OPS:
         _register_view(op)
     _register_factories()
@@ -332,4 +352,6 @@ def register_all() -> None:
                 _register_lowered(variant)
     if not getattr(register_all, "_fallback_done", False):
         _fallback_lib.fallback(fallback, "PrivateUse1")
+        for key in _SPARSE_KEYS:
+            _fallback_lib.fallback(refuse_sparse, key)
         register_all._fallback_done = True

@@ -181,7 +181,11 @@ def embedding_bag_backward(ctx, grad, indices, offsets, offset2bag, bag_size, ma
                            num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights,
                            padding_idx=-1):
     if sparse:
-        raise ValueError("embedding_bag(sparse=True): sparse gradients are not supported on tpu")
+        raise ValueError(
+            "embedding_bag(sparse=True): sparse gradients are not supported on tpu (the device has dense "
+            "layouts only); use sparse=False, or embeddings.SparseCoreEmbeddingBagCollection, whose tables "
+            "are updated in the backward pass, only in the rows a batch looked up"
+        )
     return _dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                            scale_grad_by_freq, mode, per_sample_weights, padding_idx, ctx.out_dtype())
 

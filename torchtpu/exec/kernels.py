@@ -25,7 +25,7 @@ from torch._ops import OpOverload
 
 from torchtpu import counters
 from torchtpu.exec import deferred, eager, fast_dispatch, memory, modes, opcall
-from torchtpu.ops import decomps, registry
+from torchtpu.ops import decomps, fbgemm, registry
 from torchtpu.ops.schema import functional_variant, signature
 
 aten = torch.ops.aten
@@ -176,6 +176,8 @@ _warned: set[str] = set()
 def fallback(op: OpOverload, *args, **kwargs) -> Any:
     if lowering_for(op) is not None:
         return execute(op, args, kwargs)
+    if op.namespace == "fbgemm" and fbgemm.install():
+        return op(*args, **kwargs)  # FBGEMM came after torchtpu: the first of its ops installs its tpu kernels
     decomposition = decomps.get(op)
     if decomposition is not None:
         counters.count_op("decomposed_ops", str(op))

@@ -12,6 +12,11 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.
   These ops work on integer ids and lengths (and per-id weights, which they only move), never
   on anything that needs a gradient. The staging is counted (`counters`: `fbgemm_host_staged`).
+
+They are installed when `torchrec_plugin` is imported, and otherwise by the first FBGEMM op that
+reaches a tpu tensor (`torchtpu.exec.kernels.fallback`): torchtpu does not import FBGEMM itself
+(its import takes seconds), yet TorchRec's types (`KeyedTensor.regroup`,
+`KeyedJaggedTensor.permute`) must run on the device wherever they are used.
 """
 
 from __future__ import annotations
@@ -94,14 +99,14 @@ def _host_staged(name: str):
     return kernel
 
 
-def install() -> None:
-    """Register the tpu kernels (once; a no-op when FBGEMM is not installed)."""
+def install() -> bool:
+    """Register the tpu kernels, once; whether this call did (not when FBGEMM is not installed)."""
     if _libraries:
-        return
+        return False
     try:
         import fbgemm_gpu  # noqa: F401  (registers the torch.ops.fbgemm namespace)
     except ImportError:
-        return
+        return False
     library = torch.library.Library("fbgemm", "IMPL")
     _libraries.append(library)
     for name in PERMUTE_POOLED:
@@ -111,3 +116,4 @@ def install() -> None:
         library.impl(name, fn, "PrivateUse1")
     for name in HOST_STAGED:
         library.impl(name, _host_staged(name), "PrivateUse1")
+    return True

@@ -3,6 +3,10 @@ gradient of the pooled-embedding permutations (column-wise sharding's output).""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +89,43 @@ def test_block_bucketize_sparse_features():
     got = ops.block_bucketize_sparse_features(*_tpu(lengths, values), False, False, block_sizes.to("tpu"), 2,
                                               weights.to("tpu"))
     _same(got, expected)
+
+
+_WITHOUT_THE_PLUGIN = """
+import sys
+import torch
+import torchtpu
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+def regroup(x, y):
+    kt1 = KeyedTensor(keys=["a", "b"], length_per_key=[2, 3], values=x)
+    kt2 = KeyedTensor(keys=["c"], length_per_key=[2], values=y)
+    out = KeyedTensor.regroup([kt1, kt2], [["b", "c"], ["a"]])
+    loss = (out[0] * torch.arange(out[0].shape[1], device=x.device)).sum() + out[1].pow(2).sum()
+    loss.backward()
+    return out
+
+torch.manual_seed(0)
+a, b = torch.randn(4, 5, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+ta, tb = a.detach().to("tpu").requires_grad_(), b.detach().to("tpu").requires_grad_()
+got, expected = regroup(ta, tb), regroup(a, b)
+kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b", "c"], values=torch.arange(10),
+                                          lengths=torch.tensor([2, 0, 1, 3, 2, 2]))
+permuted, cpu = kjt.to("tpu").permute([2, 0, 1]), kjt.permute([2, 0, 1])
+print("torchrec_plugin" in sys.modules,
+      all(torch.equal(g.detach().cpu(), e.detach()) for g, e in zip(got, expected)),
+      torch.equal(ta.grad.cpu(), a.grad), torch.equal(tb.grad.cpu(), b.grad),
+      torch.equal(permuted.values().cpu(), cpu.values()), torch.equal(permuted.lengths().cpu(), cpu.lengths()))
+"""
+
+
+def test_torchrec_types_on_tpu_take_these_kernels_without_the_plugin(tmp_path):
+    """TorchRec imported without `torchrec_plugin` (as `embeddings` users do): the first FBGEMM
+    op on a tpu tensor installs the kernels, so `KeyedTensor.regroup` (and its gradient) and
+    `KeyedJaggedTensor.permute` match the CPU with the CPU fallback forbidden. Its own
+    interpreter: this one installed them at import."""
+    env = {**os.environ, "TORCHTPU_STRICT_OPS": "1", "TORCHTPU_LOCK_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_THE_PLUGIN], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"] + ["True"] * 5

@@ -7,7 +7,9 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
-  host from the small offset and permutation lists) and the cumulative sums of offsets;
+  host from the small offset and permutation lists) and the cumulative sums of offsets; and,
+  under FBGEMM's own autograd, the jagged <-> padded dense conversions and the former's adjoint
+  (row gathers of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.
   These ops work on integer ids and lengths (and per-id weights, which they only move), never
@@ -85,6 +87,77 @@ _CUMSUMS = {
 }
 
 
+def _one_jagged_dimension(name: str, offsets: list[torch.Tensor]) -> torch.Tensor:
+    if len(offsets) != 1:
+        raise NotImplementedError(
+            f"fbgemm.{name} on tpu: one jagged dimension (TorchRec's JaggedTensor), got {len(offsets)} offset tensors"
+        )
+    return offsets[0].to(torch.int64)
+
+
+def _padding(value: float, dtype: torch.dtype) -> float | int | bool:
+    """`value` as FBGEMM's CPU kernels cast it to the values' dtype (toward zero for integers)."""
+    if dtype == torch.bool:
+        return bool(value)
+    return value if dtype.is_floating_point or dtype.is_complex else int(value)
+
+
+def jagged_to_padded_dense_forward(values: torch.Tensor, offsets: list[torch.Tensor], max_lengths: list[int],
+                                   padding_value: float = 0.0) -> torch.Tensor:
+    """`[batch, max_length, *values.shape[1:]]`: segment b's rows `values[offsets[b]:offsets[b + 1]]`,
+    cut at `max_length` or padded with `padding_value`. A gather of rows, so the shapes are static."""
+    offset = _one_jagged_dimension("jagged_to_padded_dense", offsets)
+    (length,) = max_lengths
+    batch = offset.shape[0] - 1
+    positions = torch.arange(length, device=values.device)
+    valid = positions[None, :] < (offset[1:] - offset[:-1])[:, None]
+    shape = (batch, length, *values.shape[1:])
+    padding = _padding(padding_value, values.dtype)
+    if values.shape[0] == 0:
+        return torch.full(shape, padding, dtype=values.dtype, device=values.device)
+    index = torch.where(valid, offset[:-1, None] + positions[None, :], 0)
+    rows = values.reshape(values.shape[0], -1).index_select(0, index.reshape(-1)).reshape(batch, length, -1)
+    return torch.where(valid[..., None], rows, padding).reshape(shape)
+
+
+def dense_to_jagged_forward(dense: torch.Tensor, x_offsets: list[torch.Tensor],
+                            total_L: int | None = None) -> torch.Tensor:
+    """`[total_L, *dense.shape[2:]]`: row i of segment b is `dense[b, i]`, zero past
+    `dense.shape[1]`. `total_L` defaults to the last offset (read to the host: the size is the
+    data's)."""
+    offset = _one_jagged_dimension("dense_to_jagged", x_offsets)
+    batch, length = dense.shape[0], dense.shape[1]
+    if offset.shape[0] != batch + 1:
+        raise ValueError(f"fbgemm.dense_to_jagged: {offset.shape[0]} offsets for a dense batch of {batch}, "
+                         f"expected {batch + 1}")
+    total = int(offset[-1]) if total_L is None else total_L
+    shape = (total, *dense.shape[2:])
+    if batch * length == 0:
+        return torch.zeros(shape, dtype=dense.dtype, device=dense.device)
+    row = torch.arange(total, device=dense.device)
+    segment = torch.searchsorted(offset[1:], row, right=True)
+    position = row - offset.index_select(0, segment.clamp(max=batch - 1))
+    valid = (segment < batch) & (position < length)
+    index = torch.where(valid, segment * length + position, 0)
+    rows = dense.reshape(batch * length, -1).index_select(0, index)
+    return torch.where(valid[:, None], rows, 0).reshape(shape)
+
+
+def jagged_to_padded_dense_backward(grad_output: torch.Tensor, offsets: list[torch.Tensor],
+                                    total_L: int) -> torch.Tensor:
+    """The adjoint of `jagged_to_padded_dense_forward`: each value's gradient is its padded
+    position's, zero for the rows cut off."""
+    return dense_to_jagged_forward(grad_output, offsets, total_L)
+
+
+_JAGGED = {
+    "jagged_to_padded_dense_forward": jagged_to_padded_dense_forward,
+    "jagged_to_padded_dense_backward": jagged_to_padded_dense_backward,
+    "dense_to_jagged_forward": dense_to_jagged_forward,
+}
+"""Jagged <-> padded dense conversions (`JaggedTensor.to_padded_dense`), under FBGEMM's autograd."""
+
+
 def _host_staged(name: str):
     op = getattr(torch.ops.fbgemm, name).default
 
@@ -112,7 +185,7 @@ def install() -> bool:
     for name in PERMUTE_POOLED:
         library.impl(name, permute_pooled_embs, "AutogradPrivateUse1")
         library.impl(name, permute_pooled_embs, "PrivateUse1")
-    for name, fn in _CUMSUMS.items():
+    for name, fn in (*_CUMSUMS.items(), *_JAGGED.items()):
         library.impl(name, fn, "PrivateUse1")
     for name in HOST_STAGED:
         library.impl(name, _host_staged(name), "PrivateUse1")

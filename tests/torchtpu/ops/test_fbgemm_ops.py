@@ -91,6 +91,66 @@ def test_block_bucketize_sparse_features():
     _same(got, expected)
 
 
+
+JAGGED = [  # trailing shape of the values (FBGEMM takes none or one), segment lengths, padded length
+    ((), [2, 0, 4, 1], 3),  # 1-D values; a segment longer than the padded length; an empty one
+    ((3,), [2, 0, 4, 1], 5),  # padding past every segment
+    ((1,), [1, 3], 2),
+    ((3,), [0, 0], 2),  # no values
+    ((3,), [], 4),  # no segments
+]
+
+
+def _jagged_values(tail, lengths, dtype, seed=0):
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]), dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(int(offsets[-1]), *tail, generator=g) * 4
+    return values.to(dtype), offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("tail, lengths, max_length", JAGGED)
+def test_jagged_to_padded_dense_and_back_match_fbgemm_cpu(tail, lengths, max_length, dtype):
+    values, offsets = _jagged_values(tail, lengths, dtype)
+    counters.reset()
+    expected = ops.jagged_to_padded_dense(values, [offsets], [max_length], -1.5)
+    got = ops.jagged_to_padded_dense(values.to("tpu"), [offsets.to("tpu")], [max_length], -1.5)
+    _same(got, expected)
+    if dtype.is_floating_point and tail:  # FBGEMM's dense_to_jagged: floating [batch, length, dim] only
+        _same(ops.dense_to_jagged(got, [offsets.to("tpu")])[0], ops.dense_to_jagged(expected, [offsets])[0])
+    assert "cpu_fallback" not in str(counters.snapshot())
+
+
+@pytest.mark.parametrize("tail, lengths, max_length", JAGGED)
+def test_jagged_padding_gradients_match_fbgemm_cpu(tail, lengths, max_length):
+    values, offsets = _jagged_values(tail, lengths, torch.float32)
+    cotangent = torch.randn(len(lengths), max_length, *tail, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for device in ("cpu", "tpu"):
+        leaf = values.clone().to(device).requires_grad_()
+        padded = ops.jagged_to_padded_dense(leaf, [offsets.to(device)], [max_length], 0.0)
+        (padded * cotangent.to(device)).sum().backward()
+        grads.append(leaf.grad.cpu())
+        if tail:  # FBGEMM's dense_to_jagged: [batch, length, dim] only
+            dense = cotangent.clone().to(device).requires_grad_()
+            (ops.dense_to_jagged(dense, [offsets.to(device)])[0] * values.to(device)).sum().backward()
+            grads.append(dense.grad.cpu())
+    half = len(grads) // 2
+    for got, expected in zip(grads[half:], grads[:half]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_jagged_tensor_pads_on_the_device():
+    """TorchRec's `JaggedTensor.to_padded_dense`, which these kernels serve."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    values, offsets = _jagged_values((), [3, 0, 1], torch.float32)
+    lengths = offsets[1:] - offsets[:-1]
+    counters.reset()
+    got = JaggedTensor(values=values.to("tpu"), lengths=lengths.to("tpu")).to_padded_dense(2, padding_value=7.0)
+    _same(got, JaggedTensor(values=values, lengths=lengths).to_padded_dense(2, padding_value=7.0))
+    assert "cpu_fallback" not in str(counters.snapshot())
+
 _WITHOUT_THE_PLUGIN = """
 import sys
 import torch

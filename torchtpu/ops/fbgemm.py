@@ -7,7 +7,8 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
-  host from the small offset and permutation lists) and the cumulative sums of offsets; and,
+  host from the small offset and permutation lists), the cumulative sums of offsets and the
+  positions within segments (`offsets_range`); and,
   under FBGEMM's own autograd, the jagged <-> padded dense conversions and the former's adjoint
   (row gathers of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
@@ -80,11 +81,22 @@ def asynchronous_inclusive_cumsum(t_in: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(t_in, 0, dtype=t_in.dtype)
 
 
-_CUMSUMS = {
+def offsets_range(offsets: torch.Tensor, range_size: int) -> torch.Tensor:
+    """Each of `range_size` positions' place within its segment: segment k starts at
+    `offsets[k]` and runs to the next start (the last to `range_size`). TorchRec's
+    `PositionWeightedModule` numbers ids within their bags with it."""
+    position = torch.arange(range_size, dtype=offsets.dtype, device=offsets.device)
+    segment = (torch.searchsorted(offsets, position, right=True) - 1).clamp(min=0)
+    return position - offsets.index_select(0, segment) if offsets.shape[0] else position
+
+
+_OFFSETS = {
     "asynchronous_complete_cumsum": asynchronous_complete_cumsum,
     "asynchronous_exclusive_cumsum": asynchronous_exclusive_cumsum,
     "asynchronous_inclusive_cumsum": asynchronous_inclusive_cumsum,
+    "offsets_range": offsets_range,
 }
+"""Offsets arithmetic: offsets from lengths, positions within segments."""
 
 
 def _one_jagged_dimension(name: str, offsets: list[torch.Tensor]) -> torch.Tensor:
@@ -185,7 +197,7 @@ def install() -> bool:
     for name in PERMUTE_POOLED:
         library.impl(name, permute_pooled_embs, "AutogradPrivateUse1")
         library.impl(name, permute_pooled_embs, "PrivateUse1")
-    for name, fn in (*_CUMSUMS.items(), *_JAGGED.items()):
+    for name, fn in (*_OFFSETS.items(), *_JAGGED.items()):
         library.impl(name, fn, "PrivateUse1")
     for name in HOST_STAGED:
         library.impl(name, _host_staged(name), "PrivateUse1")

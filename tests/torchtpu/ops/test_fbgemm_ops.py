@@ -64,6 +64,37 @@ def test_cumsums(name):
     _same(getattr(ops, name)(lengths.to("tpu")), getattr(ops, name)(lengths))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("offsets, range_size", [([0, 2, 2, 5], 7), ([0, 0, 3], 3), ([0], 4), ([0, 4], 4)])
+def test_offsets_range(offsets, range_size, dtype):
+    offsets = torch.tensor(offsets, dtype=dtype)
+    _same(ops.offsets_range(offsets.to("tpu"), range_size), ops.offsets_range(offsets, range_size))
+
+
+def test_position_weighted_features_on_the_device():
+    """TorchRec's `PositionWeightedModuleCollection` (what `offsets_range` serves): the same
+    weights and parameter gradients as on the CPU, without the CPU fallback."""
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    features = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.arange(8),
+                                                   lengths=torch.tensor([2, 0, 1, 3, 1, 1]))
+    results = []
+    for device in ("cpu", "tpu"):
+        torch.manual_seed(0)
+        module = PositionWeightedModuleCollection({"a": 4, "b": 4}).to(device)
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.copy_(torch.linspace(0.5, 2.0, parameter.numel()).reshape(parameter.shape))
+        counters.reset()
+        weights = module(features.to(device)).weights()
+        (weights * torch.arange(8.0, device=device)).sum().backward()
+        assert "cpu_fallback" not in str(counters.snapshot())
+        results.append([weights.detach().cpu(), *(p.grad.cpu() for p in module.parameters())])
+    for got, expected in zip(*reversed(results)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def _jagged(rng, features=3, batch=4):
     lengths = torch.from_numpy(rng.integers(0, 4, size=(features, batch)).astype(np.int64))
     values = torch.from_numpy(rng.integers(0, 100, size=int(lengths.sum())).astype(np.int64))

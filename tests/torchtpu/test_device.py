@@ -340,6 +340,24 @@ def test_module_to_moves_parameters_in_place():
     assert model[0].weight is params[0] and model[0].weight.device.type == "cpu"
 
 
+def test_lazy_modules_move_to_tpu_before_their_first_batch():
+    """`LazyLinear(...).to("tpu")`, as on CUDA: the copy of an uninitialized parameter (whose
+    `.shape` raises) works, the first batch on tpu materializes the parameters there, and the
+    model computes what the same one does on the CPU."""
+    def lazy():
+        return torch.nn.Sequential(torch.nn.LazyLinear(6), torch.nn.LazyBatchNorm1d(), torch.nn.ReLU(),
+                                   torch.nn.LazyLinear(2))
+
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    reference, model = lazy(), lazy().to("tpu")
+    reference(x)
+    model(x.to("tpu"))
+    assert all(p.device.type == "tpu" and type(p) is torch.nn.Parameter for p in model.parameters())
+    model.load_state_dict(reference.state_dict())
+    with torch.tpu.precision("highest"):
+        torch.testing.assert_close(model(x.to("tpu")).cpu(), reference(x))
+
+
 def test_save_and_load_with_and_without_map_location():
     t = torch.randn(4, 6).to("tpu")
     buffer = io.BytesIO()

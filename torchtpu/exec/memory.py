@@ -228,12 +228,23 @@ def _contiguous_value(t: torch.Tensor):
     return _materialized(storage.buffer_of(contiguous))
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a plain tensor over the same memory. A Python subclass may refuse the attribute
+    reads a kernel makes: a lazy module's uninitialized parameter raises on `.shape`, and
+    `module.to("tpu")` copies it."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     from torchtpu.exec.kernels import execute
 
+    result, dst, src = dst, _plain(dst), _plain(src)
     if dst.device.type != "tpu":
         dst.copy_(numpy_to_torch(to_numpy(src)))
-        return dst
+        return result
     index = dst.device.index
     if src.device.type != "tpu":
         if src.device.type != "cpu":
@@ -241,11 +252,12 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
         if _fills_whole(dst, src):
             array = torch_to_numpy(src.to(dst.dtype)).reshape(-1)
             storage.buffer_of(dst).value = host_to_device(array, index)
-            return dst
+            return result
         src = from_host(src, index)
     elif src.device.index != index:
         src = to_device(src, index)
-    return execute(aten.copy_.default, (dst, src, non_blocking), {})
+    execute(aten.copy_.default, (dst, src, non_blocking), {})
+    return result
 
 
 def fills_storage(t: torch.Tensor, buffer: storage.DeviceBuffer | None = None) -> bool:

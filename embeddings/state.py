@@ -37,7 +37,7 @@ from embeddings.ops import StackComputation
 from sparsecore.api import SparseCoreEmbedding
 from sparsecore.layout import StackedTable, physical_row_ids, round_up
 from sparsecore.optimizers import CLIP, OptimizerSpec, SlotSpec
-from torchtpu import sharding
+from torchtpu import out_of_memory, sharding
 from torchtpu.exec import memory
 
 __all__ = ["RowBlock", "StackedState", "TableSlot"]
@@ -98,7 +98,8 @@ class StackedState(nn.Module):
         self.computations = dict(computations)
         self._sharded = NamedSharding(engine.mesh, P(engine.axis))
         self._index = {name: i for i, name in enumerate(self.computations)}
-        tables, slots = engine.init(jax.random.key(seed))
+        with out_of_memory.raised_as_torch():  # the tables take most of the device's memory
+            tables, slots = engine.init(jax.random.key(seed))
         devices = engine.topology.global_device_count
         for name, i in self._index.items():
             table = nn.Parameter(sharding.from_jax(tables[name]))

@@ -27,6 +27,11 @@ from torchtpu.streams import (  # noqa: F401 (torch.tpu's streams)
 )
 
 
+OutOfMemoryError = torch.OutOfMemoryError
+"""Raised when a tpu device runs out of memory (`torchtpu.out_of_memory`): torch's own class, as
+`torch.cuda.OutOfMemoryError` is."""
+
+
 class Precision(enum.Enum):
     """Matmul precision modes (1, 3 or 6 bf16 passes per fp32 matmul)."""
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from torchtpu import dtypes, runtime, storage
+from torchtpu import dtypes, out_of_memory, runtime, storage
 
 if TYPE_CHECKING:
     import jax
@@ -81,7 +81,8 @@ def replicated(value: "jax.Array") -> "jax.Array":
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    return jax.device_put(value, NamedSharding(mesh(), P()))
+    with out_of_memory.raised_as_torch():
+        return jax.device_put(value, NamedSharding(mesh(), P()))
 
 
 def _flat(array: "jax.Array") -> "jax.Array":
@@ -98,7 +99,8 @@ def _flat(array: "jax.Array") -> "jax.Array":
 
     target = flat_sharding()  # rows of the flat buffer over the mesh: P(AXIS) for any rank
     if not array.sharding.is_equivalent_to(target, array.ndim):
-        array = jax.device_put(array, target)
+        with out_of_memory.raised_as_torch():
+            array = jax.device_put(array, target)
     blocks = [shard.data.reshape(-1) for shard in array.addressable_shards]
     return jax.make_array_from_single_device_arrays((array.size,), target, blocks)
 
@@ -153,9 +155,9 @@ def _flat_from_local(local: np.ndarray, shape: tuple[int, ...]) -> "jax.Array":
     first, count = _local_positions()
     devices = mesh_devices()[first : first + count]
     blocks = np.ascontiguousarray(local).reshape(count, -1)
-    return jax.make_array_from_single_device_arrays(
-        (math.prod(shape),), flat_sharding(), [jax.device_put(block, device) for block, device in zip(blocks, devices)]
-    )
+    with out_of_memory.raised_as_torch():
+        placed = [jax.device_put(block, device) for block, device in zip(blocks, devices)]
+    return jax.make_array_from_single_device_arrays((math.prod(shape),), flat_sharding(), placed)
 
 
 def to_jax(tensor: torch.Tensor) -> "jax.Array":

@@ -256,3 +256,20 @@ def test_reference_unsharded_collection_loads_sequence_tables():
     reference = EmbeddingCollection(tables)
     reference.load_state_dict(ec.state_dict())
     assert set(ec.state_dict()) == set(reference.state_dict())
+
+
+def test_tables_the_device_has_no_room_for_raise_torchs_out_of_memory_error(monkeypatch):
+    """As on CUDA (`torch.cuda.OutOfMemoryError` is `torch.OutOfMemoryError`), when the runtime
+    reports it while making the tables. (Asking the stand-in for tables larger than the host lets
+    some allocations through, and the kernel's out-of-memory killer ends the process.)"""
+    import jax
+
+    from sparsecore.api import SparseCoreEmbedding
+
+    def exhausted(self, key):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104 bytes.")
+
+    monkeypatch.setattr(SparseCoreEmbedding, "init", exhausted)
+    table = EmbeddingBagConfig(name="t", num_embeddings=64, embedding_dim=8, feature_names=["f"])
+    with pytest.raises(torch.OutOfMemoryError, match="tpu out of memory: RESOURCE_EXHAUSTED"):
+        SparseCoreEmbeddingBagCollection([table], batch_size=64)

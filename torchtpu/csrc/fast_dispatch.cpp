@@ -62,8 +62,30 @@ PyObject* reserve = nullptr;        // reserve(nbytes) -> first address of a new
 PyObject* learn = nullptr;          // learn(op, mode) -> None or what the op's last call did (see .py)
 PyObject* record_known = nullptr;   // record_known(plan, values, *buffers) -> the new outputs' buffers
 PyObject* fits = nullptr;           // fits(classes, values) -> whether PyTorch's checks saw values like these
+PyObject* as_torch = nullptr;       // as_torch(error) -> the error to raise (out_of_memory.as_torch)
 PyObject* empty_tuple = nullptr;    // ()
 int64_t address_chunk = 0;
+
+// Replaces the Python error set by a runner with what `as_torch` makes of it: torch's
+// out-of-memory error where the runtime ran out of device memory, as the Python executors raise.
+void raise_as_torch() {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  if (traceback != nullptr) PyException_SetTraceback(value, traceback);
+  PyObject* raised = value == nullptr ? nullptr : PyObject_CallOneArg(as_torch, value);
+  if (raised == nullptr || raised == value) {  // not an out-of-memory error (or as_torch failed)
+    Py_XDECREF(raised);
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    return;
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
+  Py_DECREF(raised);
+}
 
 struct Gil {
   PyGILState_STATE state = PyGILState_Ensure();
@@ -561,6 +583,7 @@ struct FastKernel final : public c10::OperatorKernel {
         // A recorded call (or a flush it caused), or a strict call that was given `self`'s
         // buffer, failed: its error is the call's, raised as it is -- running the Python kernel
         // instead would record the call twice, lose the error, or read a donated buffer.
+        raise_as_torch();
         python_error error;
         error.persist();
         throw error;
@@ -908,7 +931,10 @@ PyObject* run_graph(const GraphExecutable& graph, std::vector<PyObject*>& values
   }
   if (runtime != empty_tuple) Py_DECREF(runtime);
   Py_XDECREF(key);
-  if (outs == nullptr) return nullptr;
+  if (outs == nullptr) {
+    raise_as_torch();
+    return nullptr;
+  }
   bool ok = true;
   for (int64_t k = 0; k < n_written && ok; ++k) ok = install(storages[graph.written[k]], outs, k);
   std::vector<PyObject*> fresh;  // the new tensors, wrapped
@@ -989,7 +1015,7 @@ extern "C" {
 
 // Called once with the GIL held: the Python objects the kernels use.
 int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* learn_fn, PyObject* record_fn,
-                       PyObject* fits_fn, long long chunk) {
+                       PyObject* fits_fn, PyObject* as_torch_fn, long long chunk) {
   buffer_attr = PyUnicode_InternFromString("_tpu_buffer");
   value_attr = PyUnicode_InternFromString("value");
   dtype_attr = PyUnicode_InternFromString("dtype");
@@ -1000,11 +1026,13 @@ int torchtpu_fast_init(PyObject* new_buffer_fn, PyObject* reserve_fn, PyObject* 
   Py_INCREF(learn_fn);
   Py_INCREF(record_fn);
   Py_INCREF(fits_fn);
+  Py_INCREF(as_torch_fn);
   new_buffer = new_buffer_fn;
   reserve = reserve_fn;
   learn = learn_fn;
   record_known = record_fn;
   fits = fits_fn;
+  as_torch = as_torch_fn;
   empty_tuple = PyTuple_New(0);
   address_chunk = chunk;
   return 0;

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from torchtpu import counters, dtypes, runtime, strided
+from torchtpu import counters, dtypes, out_of_memory, runtime, strided
 from torchtpu.exec import checks, eager, opcall
 from torchtpu.storage import DeviceBuffer, whole_tensor
 
@@ -334,19 +334,22 @@ def _run(graph: _Graph, reason: str) -> None:
     device = next(iter(graph.devices))
     key = (tuple(graph.structure), outputs, donate, device, len(graph.inputs))
     cached = _executables.get(key)
-    if cached is None:
-        start = time.perf_counter()
-        extras = _extras_of(graph)
-        executable = _compile(graph, outputs + extras.host_outputs, donate, device)
-        _executables[key] = executable, extras
-        counters.count("defer_compiles")
-        _log_recompile([node.program.key for node in graph.nodes])
-        results = executable(*graph.inputs)
-        counters.add_time("defer_compile", time.perf_counter() - start)
-    else:
-        counters.count("defer_cache_hits")
-        executable, extras = cached
-        results = executable(*graph.inputs)
+    try:
+        if cached is None:
+            start = time.perf_counter()
+            extras = _extras_of(graph)
+            executable = _compile(graph, outputs + extras.host_outputs, donate, device)
+            _executables[key] = executable, extras
+            counters.count("defer_compiles")
+            _log_recompile([node.program.key for node in graph.nodes])
+            results = executable(*graph.inputs)
+            counters.add_time("defer_compile", time.perf_counter() - start)
+        else:
+            counters.count("defer_cache_hits")
+            executable, extras = cached
+            results = executable(*graph.inputs)
+    except RuntimeError as error:
+        out_of_memory.reraise(error)
     position = {ref: k for k, ref in enumerate(outputs)}
     for buffer, promise in live:
         buffer.value = results[position[(promise.node, promise.index)]]

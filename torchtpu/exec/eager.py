@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from torchtpu import counters, runtime
+from torchtpu import counters, out_of_memory, runtime
 from torchtpu.exec import checks, fast_dispatch, modes, opcall
 from torchtpu.sharding import is_sharded, replicated
 from torchtpu.storage import DeviceBuffer, whole_tensor
@@ -100,14 +100,17 @@ def run(call: opcall.Inputs) -> Any:
         counters.count("eager_cache_hits")
     buffers = call.buffers
     program = exe.program
-    if exe.sharded:
-        inputs = [buffers[i].value for i in program.inputs]
-        inputs = [v if buffers[i].sharded else replicated(v) for i, v in zip(program.inputs, inputs)]
-        outs = exe.jitted(*inputs, *call.dynamic)
-    elif exe.all_inputs:
-        outs = exe.jitted(*[buffer.value for buffer in buffers], *call.dynamic)
-    else:
-        outs = exe.jitted(*[buffers[i].value for i in program.inputs], *call.dynamic)
+    try:
+        if exe.sharded:
+            inputs = [buffers[i].value for i in program.inputs]
+            inputs = [v if buffers[i].sharded else replicated(v) for i, v in zip(program.inputs, inputs)]
+            outs = exe.jitted(*inputs, *call.dynamic)
+        elif exe.all_inputs:
+            outs = exe.jitted(*[buffer.value for buffer in buffers], *call.dynamic)
+        else:
+            outs = exe.jitted(*[buffers[i].value for i in program.inputs], *call.dynamic)
+    except RuntimeError as error:
+        out_of_memory.reraise(error)
     if compiled_now:
         counters.add_time("eager_compile", time.perf_counter() - start)
     if modes.current() == "debug":

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from torchtpu import counters, precision, storage
+from torchtpu import counters, out_of_memory, precision, storage
 from torchtpu import random as tpu_random
 from torchtpu.exec import modes, opcall
 from torchtpu.ops.schema import ArgKind, signature
@@ -102,7 +102,7 @@ def _load() -> ctypes.PyDLL | None:
             stacklevel=3,
         )
         return None
-    library.torchtpu_fast_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_longlong]
+    library.torchtpu_fast_init.argtypes = [ctypes.py_object] * 6 + [ctypes.c_longlong]
     library.torchtpu_fast_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.py_object, ctypes.py_object,
                                               ctypes.c_int]
     library.torchtpu_view_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
@@ -114,7 +114,7 @@ def _load() -> ctypes.PyDLL | None:
     library.torchtpu_fast_set_precision.argtypes = [ctypes.c_longlong]
     library.torchtpu_fast_set_mode.argtypes = [ctypes.c_int]
     library.torchtpu_fast_init(storage.DeviceBuffer, storage.reserve_addresses, _learn, deferred.record_known,
-                               _fits, storage.ADDRESS_CHUNK)
+                               _fits, out_of_memory.as_torch, storage.ADDRESS_CHUNK)
     modes.on_change.append(lambda mode: library.torchtpu_fast_set_mode(_SERVED.get(mode, -1)))
     library.torchtpu_fast_set_mode(_SERVED.get(modes.current(), -1))
     precision.on_change.append(lambda mode: library.torchtpu_fast_set_precision(precision.MODES.index(mode)))

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from torchtpu import dtypes, runtime, storage, strided
+from torchtpu import dtypes, out_of_memory, runtime, storage, strided
 from torchtpu.exec import checks, modes
 
 aten = torch.ops.aten
@@ -90,7 +90,8 @@ def to_array(t: torch.Tensor):
     value, conj, neg = buffer.value, t.is_conj(), t.is_neg()  # materialised by `whole_array`
     np_dtype = dtypes.to_jax(t.dtype)
     if value is None:
-        return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
+        with out_of_memory.raised_as_torch():
+            return jax.device_put(np.zeros(t.numel(), np_dtype), runtime.jax_device(buffer.device))
     geometry = strided.Geometry(tuple(t.shape), tuple(t.stride()), t.storage_offset())
     key = (geometry, t.dtype, buffer.dtype, buffer.numel, conj, neg)
     read = _read_programs.get(key)
@@ -164,7 +165,8 @@ def host_to_device(array: np.ndarray, index: int):
     """
     import jax
 
-    return jax.device_put(np.array(array, copy=True, order="C"), runtime.jax_device(index))
+    with out_of_memory.raised_as_torch():
+        return jax.device_put(np.array(array, copy=True, order="C"), runtime.jax_device(index))
 
 
 def array_over_host(src: torch.Tensor, index: int):
@@ -214,7 +216,8 @@ def to_device(src: torch.Tensor, index: int) -> torch.Tensor:
     array = to_numpy(src) if runtime.runtime().device_memory_is_host else None
     if array is None:
         # UNTESTED on TPU: device-to-device transfer without a host round trip.
-        value = jax.device_put(_contiguous_value(src), runtime.jax_device(index))
+        with out_of_memory.raised_as_torch():
+            value = jax.device_put(_contiguous_value(src), runtime.jax_device(index))
         numel = math.prod(src.shape)
     else:
         value = host_to_device(array.reshape(-1), index)

@@ -7,10 +7,9 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
-  host from the small offset and permutation lists), the cumulative sums of offsets and the
-  positions within segments (`offsets_range`); and,
-  under FBGEMM's own autograd, the jagged <-> padded dense conversions and the former's adjoint
-  (row gathers of static shape);
+  host from the small offset and permutation lists), the cumulative sums of offsets, the
+  positions within segments (`offsets_range`) and, under FBGEMM's own autograd, the jagged <->
+  padded dense conversions and the former's adjoint (row gathers of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.
   These ops work on integer ids and lengths (and per-id weights, which they only move), never

@@ -703,6 +703,26 @@ def tpu_only_group(rank: int, world: int) -> None:
     assert threads() <= before, f"rank {rank}: {threads() - before} threads outlive the group {group}"
 
 
+def checkpoint_on_a_tpu_only_group(rank: int, world: int, directory: str) -> None:
+    """`torch.distributed.checkpoint` with `init_process_group("tpu_dist")`: its planner gathers
+    and scatters Python objects, which travel as tpu tensors here. What is loaded into a model
+    initialised otherwise is what was saved, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    _init("tpu_dist")
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3).to("tpu")
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=directory)
+    torch.manual_seed(1)
+    loaded = torch.nn.Linear(4, 3).to("tpu")
+    state = {"model": loaded.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    loaded.load_state_dict(state["model"])
+    for name, value in saved.state_dict().items():
+        assert_same_bits(loaded.state_dict()[name], value, f"{name} on rank {rank}")
+    dist.destroy_process_group()
+
+
 def threads() -> int:
     """The threads of this process (Python's and native ones: gloo's are native), counted after
     a collection, so that no group left to the collector ends its threads mid-count."""

@@ -37,5 +37,9 @@ def test_tpu_only_group_refuses_cpu_tensors_and_moves_objects_on_tpu():
     run_ranks(workers.tpu_only_group, 2, layout="host_per_rank")
 
 
+def test_distributed_checkpoint_on_a_tpu_only_group(tmp_path):
+    run_ranks(workers.checkpoint_on_a_tpu_only_group, 2, str(tmp_path / "checkpoint"), layout="host_per_rank")
+
+
 def test_init_times_out_when_a_rank_never_joins():
     run_ranks(workers.init_alone, 1)

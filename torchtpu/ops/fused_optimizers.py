@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import torch
 
 from torchtpu import dtypes
-from torchtpu.ops import registry
+from torchtpu.ops import pointwise, reduction, registry
 
 aten = torch.ops.aten
 
@@ -145,10 +145,6 @@ def _step_count(step: Array) -> Array:
     return jnp.reshape(step, ()).astype(jnp.float32).astype(jnp.float64)
 
 
-def _opmath(dtype) -> jnp.dtype:
-    return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(dtype)
-
-
 def _l2_decay(grad: Array, param: Array, weight_decay: Array) -> Array:
     """`grad + param * weight_decay`, unless weight_decay is 0 (which the kernels skip)."""
     return jnp.where(weight_decay != 0, grad + param * weight_decay.astype(grad.dtype), grad)
@@ -167,7 +163,7 @@ def _fused_step(params: Tensors, grads: Tensors, states: Sequence[Tensors], maxi
     skipped = None if found_inf is None else jnp.reshape(found_inf, (-1,))[0] == 1
     new_lists: list[list[Array]] = [[] for _ in range(2 + len(states))]
     for i, (param, grad) in enumerate(zip(params, grads)):
-        opmath = _opmath(param.dtype)
+        opmath = reduction.opmath(param.dtype)
         g = grad.astype(opmath)
         unscaled = grad
         if grad_scale is not None:
@@ -201,10 +197,7 @@ def _adam(ctx, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
             param = param * (1 - lr * weight_decay).astype(opmath)
         else:
             grad = _l2_decay(grad, param, weight_decay)
-        # exp_avg.lerp_(grad, 1 - beta1), from the nearer end as torch.lerp does.
-        weight = (1 - beta1).astype(opmath)
-        near = jnp.abs(weight) < 0.5
-        exp_avg = jnp.where(near, weight, weight - 1) * (grad - exp_avg) + jnp.where(near, exp_avg, grad)
+        exp_avg = pointwise.lerp(ctx, exp_avg, grad, (1 - beta1).astype(opmath))
         exp_avg_sq = exp_avg_sq * beta2.astype(opmath) + (1 - beta2).astype(opmath) * grad * grad
         if amsgrad:
             max_exp_avg_sq = jnp.maximum(max_exp_avg_sq, exp_avg_sq)

@@ -11,6 +11,8 @@ instead of overlapped.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["Stream", "StreamContext", "current_stream", "default_stream", "set_stream", "stream"]
@@ -72,21 +74,19 @@ class StreamContext:
         if stream is not None:
             _check_is_tpu_stream("torch.tpu.stream", stream)
         self.stream = stream
-        self._previous: int | None = None
+        self._on_device: contextlib.AbstractContextManager | None = None
 
     def __enter__(self) -> None:
         if self.stream is not None:
             from torchtpu import device as tpu
 
-            self._previous = tpu.current_device()
-            tpu.set_device(self.stream.device)
+            self._on_device = tpu.device(self.stream.device)
+            self._on_device.__enter__()
 
     def __exit__(self, *exc_info) -> None:
-        if self._previous is not None:
-            from torchtpu import device_guard
-
-            device_guard.set_current_device(self._previous)
-            self._previous = None
+        if self._on_device is not None:
+            on_device, self._on_device = self._on_device, None
+            on_device.__exit__(*exc_info)
 
 
 def stream(stream: Stream | None) -> StreamContext:

@@ -127,35 +127,29 @@ class XlaTransport:
 
     # --- collectives ------------------------------------------------------------------------
 
-    def _all_reduced(self, t: torch.Tensor, op: str):
-        """This rank's row of the all-reduce of every rank's `t`."""
-        value = memory.to_array(t)
-        programs.check_reduce_op(op, value.dtype)
-        mesh = self._mesh_for(t)
-        return self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, value)))
-
-    def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions, collective: str = "all_reduce") -> TpuWork:
+    def _all_reduce(self, collective: str, tensors: Tensors, opts, writes: bool) -> TpuWork:
+        """Every rank's tensors reduced (`opts.reduceOp`); written into this rank's if `writes`."""
         op = _op_name(opts.reduceOp)
         results = []
         for t in tensors:
-            out = self._all_reduced(t, op)
-            self._write(t, out)
+            value = memory.to_array(t)
+            programs.check_reduce_op(op, value.dtype)
+            mesh = self._mesh_for(t)
+            out = self._mine(programs.all_reduce(mesh, op)(self._stacked(mesh, value)))
+            if writes:
+                self._write(t, out)
             results.append(out)
         return self._done(collective, results, tensors)
 
+    def allreduce(self, tensors: Tensors, opts: dist.AllreduceOptions) -> TpuWork:
+        return self._all_reduce("all_reduce", tensors, opts, writes=True)
+
     def allreduce_coalesced(self, tensors: Tensors, opts: dist.AllreduceCoalescedOptions) -> TpuWork:
-        return self.allreduce(tensors, opts, "all_reduce_coalesced")
+        return self._all_reduce("all_reduce_coalesced", tensors, opts, writes=True)
 
     def reduce(self, tensors: Tensors, opts: dist.ReduceOptions) -> TpuWork:
         """An all-reduce that only the root writes: the other ranks' tensors keep their values."""
-        op = _op_name(opts.reduceOp)
-        results = []
-        for t in tensors:
-            out = self._all_reduced(t, op)
-            if self._rank == opts.rootRank:
-                self._write(t, out)
-            results.append(out)
-        return self._done("reduce", results, tensors)
+        return self._all_reduce("reduce", tensors, opts, writes=self._rank == opts.rootRank)
 
     def broadcast(self, tensors: Tensors, opts: dist.BroadcastOptions) -> TpuWork:
         source = tensors[opts.rootTensor] if self._rank == opts.rootRank else None

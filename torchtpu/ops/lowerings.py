@@ -3,6 +3,7 @@
 from torchtpu.ops import (  # noqa: F401
     activations,
     amp,
+    asserts,
     comparison,
     complex,
     conv,

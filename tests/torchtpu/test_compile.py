@@ -118,6 +118,50 @@ def test_a_graph_mixing_host_and_tpu_tensors_is_split_by_device():
     assert sum(_graph_programs().values()) >= 1  # the tpu ops ran as compiled programs
 
 
+def test_empty_tensors_are_made_inside_the_compiled_program():
+    """`torch.empty` and its strided forms -- written by users, and by AOTAutograd for every
+    `empty_like` (as `empty_permuted`, e.g. in the backward of `mish`) -- are part of the program,
+    laid out as PyTorch lays them out, not eager ops that split the graph."""
+
+    def fn(x):
+        filled = torch.empty(2, 3, device=x.device).fill_(2) + x.new_empty((2, 3)).fill_(1)
+        strided = torch.empty_strided((2, 3), (1, 2), device=x.device).copy_(x)
+        permuted = torch.empty_like(x.t().contiguous().t()).copy_(x * 3)
+        return filled + x, strided, permuted, F.mish(x) + F.hardswish(x)
+
+    x = torch.randn(2, 3)
+    x_tpu = x.to("tpu").requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing lacks a lowering: no warning
+        outs = torch.compile(fn, backend="tpu")(x_tpu)
+        sum(out.sum() for out in outs).backward()
+    x_cpu = x.clone().requires_grad_()
+    expected = fn(x_cpu)
+    sum(out.sum() for out in expected).backward()
+    for out, reference in zip(outs, expected):
+        torch.testing.assert_close(out.cpu(), reference)
+        assert out.stride() == reference.stride()
+    torch.testing.assert_close(x_tpu.grad.cpu(), x_cpu.grad)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
+def test_outputs_are_laid_out_as_in_eager():
+    """A compiled graph's new outputs get the strides PyTorch gives the eager results (a
+    transposed product stays transposed), not a contiguous layout of their own."""
+    fns = {
+        "transposed": lambda x: (x * 2).t(),
+        "permuted": lambda x: x[:, None].permute(2, 0, 1) + 0,
+        "expanded then computed": lambda x: x.unsqueeze(1).expand(2, 4, 3) * 1,
+        "column-major": lambda x: x.t().contiguous().t() * 2,
+    }
+    x = torch.randn(2, 3)
+    for name, fn in fns.items():
+        torch._dynamo.reset()
+        out, expected = torch.compile(fn, backend="tpu")(x.to("tpu")), fn(x)
+        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+        assert out.stride() == expected.stride(), name
+
+
 def test_dtype_casts_run_inside_the_compiled_program():
     """`x.to(dtype)` on tpu tensors (mixed precision, autocast's casts) is part of the program,
     forward and backward, not an eager op that splits the graph."""

@@ -7,7 +7,8 @@ storages -- the graph's nodes call the same registry lowerings as the eager exec
 mode records it as one node of the pending graph, so compiled regions fuse with the eager code
 around them. Graph breaks and the optimizer step outside the graph simply run eagerly. A call that
 repeats a plain call's layout is run or recorded from C++ (`fast_dispatch.graph_call`).
-Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
+New outputs are laid out as PyTorch lays out the eager results (their strides, as Inductor keeps
+them). Outputs that are inputs as they came in (the forward's saved inputs) are returned as those very
 tensors, not copies; an input the graph `copy_`s into (state a backward writes, the parameters a
 compiled optimizer step updates) is written in place.
 
@@ -270,13 +271,15 @@ class CompiledGraph:
         new: list[NewTensor] = []
         template = []
         array_positions = []
-        for position, out in enumerate(abstract):
+        metas = [*self.output_metas, *(None for _ in host_written)]
+        for position, (out, meta) in enumerate(zip(abstract, metas)):
             if position in self.aliases:
                 template.append(("arg", self.aliases[position]))
             elif isinstance(out, jax.ShapeDtypeStruct):
                 sizes = tuple(out.shape)
                 dtype = tpu_dtypes.from_jax(out.dtype)
-                new.append(NewTensor(sizes, opcall.contiguous_strides(sizes), dtype, math.prod(sizes)))
+                # Laid out as PyTorch lays the result out (eager's strides, as Inductor keeps them).
+                new.append(NewTensor(sizes, opcall.strides_like(meta, sizes), dtype, math.prod(sizes)))
                 template.append(("new", len(new) - 1))
                 array_positions.append(position)
             else:

@@ -304,9 +304,10 @@ _MEMORY_KERNELS = {
 }
 
 
-# Lowered for compiled graphs only: eager calls keep PyTorch's composite kernel, which also moves
-# tensors between devices (an empty tensor on the target, then `copy_`).
-_GRAPH_ONLY = frozenset({aten._to_copy.default})
+# Lowered for compiled graphs only: eager calls keep PyTorch's composite kernels -- `_to_copy`'s
+# also moves tensors between devices (an empty tensor on the target, then `copy_`), and
+# `empty_permuted`'s makes its tensor with the factory kernel of `empty_strided`.
+_GRAPH_ONLY = frozenset({aten._to_copy.default, aten.empty_permuted.default})
 
 
 def _variants(op: OpOverload):

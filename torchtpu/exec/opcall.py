@@ -711,6 +711,28 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def strides_like(meta: Any, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides for `sizes` that order the dimensions as `meta`'s strides do -- PyTorch's
+    layout of a result (a permutation of a contiguous one) carried over to the sizes a program
+    runs at (a bucket's) -- or contiguous ones where `meta` is no dense tensor of that rank with
+    concrete strides."""
+    if (
+        not isinstance(meta, torch.Tensor)
+        or meta.dim() != len(sizes)
+        or not all(isinstance(s, int) for s in (*meta.stride(), *meta.shape))
+        or not _is_dense(meta)
+    ):
+        return contiguous_strides(sizes)
+    # Outermost first: larger strides, and among equal ones (dimensions of size 1) the earlier.
+    order = sorted(range(len(sizes)), key=lambda d: (-meta.stride()[d], d))
+    strides = [0] * len(sizes)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(sizes[d], 1)
+    return tuple(strides)
+
+
 def _new_tensor_spec(meta: torch.Tensor) -> NewTensor:
     sizes = tuple(meta.shape)
     strides = tuple(meta.stride()) if _is_dense(meta) else contiguous_strides(sizes)

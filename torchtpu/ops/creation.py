@@ -1,4 +1,4 @@
-"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), eye, linspace, logspace, tril/triu indices (device given by argument).
+"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), empty in compiled graphs, eye, linspace, logspace, tril/triu indices (device given by argument).
 
 The output shape and dtype come from PyTorch's meta kernels (`ctx.out_shape()`,
 `ctx.out_dtype()`), which also do the dtype inference from Scalar types and the argument
@@ -58,6 +58,15 @@ def full(ctx, size, fill_value, *, dtype=None, layout=None, device=None, pin_mem
 @registry.register(aten.full_like.default, dynamic_scalars=True)
 def full_like(ctx, x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return jnp.full(ctx.out_shape(), fill_value, ctx.out_dtype())
+
+
+@registry.register(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default)
+def empty(ctx, *args, **kwargs):
+    """`torch.empty` and its strided forms inside compiled graphs (AOTAutograd writes `empty_like`
+    as `empty_permuted`): the values are undefined, so zeros; the executor lays the result out by
+    the meta kernel's strides. Eager calls keep their factory kernels, which make a storage
+    without a buffer (`exec.memory`)."""
+    return jnp.zeros(ctx.out_shape(), ctx.out_dtype())
 
 
 @registry.register(aten._efficientzerotensor.default)

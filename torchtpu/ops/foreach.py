@@ -1,4 +1,4 @@
-"""The `_foreach_*` pointwise ops that torch.optim's foreach implementations call.
+"""The `_foreach_*` ops that torch.optim's foreach implementations and `clip_grad_norm_` call.
 
 A whole list runs as ONE program: an optimizer step over many parameters is one XLA program per
 foreach call, not one per parameter. Position `i` of a call is computed by the lowering of its
@@ -30,9 +30,10 @@ def _at(arg: Arg, value: Any, index: int) -> Any:
     return value
 
 
-def _register(op: OpOverload, element: OpOverload, names: tuple[str, ...]) -> None:
+def _register(op: OpOverload, element: OpOverload, names: tuple[str, ...], dynamic_scalars: bool = True) -> None:
     """Lower `op` as `element` applied at each list position; `names` are the element op's
-    argument names for `op`'s arguments, in order."""
+    argument names for `op`'s arguments, in order. Its Scalars are traced inputs unless
+    `dynamic_scalars` is False (see `registry.Lowering`)."""
     sig, element_sig = signature(op), signature(element)
     length_of = next(i for i, arg in enumerate(sig.args) if arg.kind is ArgKind.TENSOR_LIST)
 
@@ -53,7 +54,7 @@ def _register(op: OpOverload, element: OpOverload, names: tuple[str, ...]) -> No
         return tuple(outputs)
 
     lowering.__name__ = lowering.__qualname__ = f"foreach_{element.__name__}"
-    registry.register(op, dynamic_scalars=True)(lowering)
+    registry.register(op, dynamic_scalars=dynamic_scalars)(lowering)
 
 
 _UNARY = (
@@ -107,10 +108,18 @@ _OVERLOADS: dict[str, dict] = {
         "ScalarAndTensor": (aten.pow.Scalar, ("self", "exponent")),
     },
     "copy": {"default": (aten.copy.default, ("self", "src", "non_blocking"))},
+    # Reductions and products of each tensor: `clip_grad_norm_`'s norms and the largest values.
+    "norm": {"Scalar": (aten.linalg_vector_norm.default, ("self", "ord", "dtype"))},
+    "max": {"default": (aten.max.default, ("self",))},
+    "mm": {"default": (aten.mm.default, ("self", "mat2"))},
 }
+
+# The norm's order picks its formula (and `linalg_vector_norm` takes it as a constant): a new
+# order compiles anew, as it does for the element op.
+_STATIC_SCALARS = frozenset({"norm"})
 
 for _name, _overloads in _OVERLOADS.items():
     _packet = getattr(aten, f"_foreach_{_name}")
     for _overload, (_element, _names) in _overloads.items():
         if _overload in _packet.overloads():
-            _register(getattr(_packet, _overload), _element, _names)
+            _register(getattr(_packet, _overload), _element, _names, dynamic_scalars=_name not in _STATIC_SCALARS)

@@ -1,6 +1,7 @@
 """`_foreach_*` ops on `tpu` against PyTorch's CPU implementation: every overload kind (Scalar,
 ScalarList, List, Tensor), in-place forms writing into every tensor of the list, lists of mixed
-shapes and dtypes, one program per call, and torch.optim foreach steps equal to CPU steps."""
+shapes and dtypes, the per-tensor reductions (`_foreach_norm`, `_foreach_max`), one program per
+call, torch.optim foreach steps equal to CPU steps, and `clip_grad_norm_` compiled."""
 
 from __future__ import annotations
 
@@ -61,13 +62,20 @@ CALLS = {
     "exp_neg_sign": lambda s, o, t: torch._foreach_exp(torch._foreach_neg(torch._foreach_sign(s))),
     "log1p_reciprocal": lambda s, o, t: torch._foreach_log1p(torch._foreach_reciprocal(torch._foreach_abs(s))),
     "rounding": lambda s, o, t: torch._foreach_round(torch._foreach_mul(s, 3.0)),
+    "norm": lambda s, o, t: torch._foreach_norm(s),
+    "norm_orders": lambda s, o, t: [n for order in (1, 0, 3.5, float("inf"), -float("inf"))
+                                    for n in torch._foreach_norm(s, order)],
+    "norm_float64": lambda s, o, t: torch._foreach_norm(s[:3], 2, dtype=torch.float64),
+    "max": lambda s, o, t: torch._foreach_max(s),
+    "mm": lambda s, o, t: torch._foreach_mm([s[0], o[0].t()], [o[0].t(), s[0]]),
 }
 
 
 @pytest.mark.parametrize("name", CALLS)
 def test_functional_overloads(name):
     call = CALLS[name]
-    _assert_lists_close(call(_moved(SELF), _moved(OTHER), _moved(THIRD)), call(SELF, OTHER, THIRD))
+    with torch.tpu.precision("highest"):  # `mm`'s products as CPU's float32
+        _assert_lists_close(call(_moved(SELF), _moved(OTHER), _moved(THIRD)), call(SELF, OTHER, THIRD))
 
 
 INPLACE = {
@@ -122,6 +130,27 @@ def test_one_program_per_call_and_none_for_new_scalars():
     assert torchtpu.metrics().get("eager_programs", 0) == 0
     torch._foreach_lerp_(params, params, 0.5)
     assert torchtpu.metrics()["eager_programs"] == 1
+
+
+def test_clip_grad_norm_compiled_runs_in_one_graph_and_matches_cpu():
+    """`clip_grad_norm_` (its `_foreach_norm`, `_foreach_mul_`) inside `torch.compile`: one
+    graph, nothing run eagerly, the same norm and clipped gradients as on CPU."""
+    shapes = [(4, 3), (7,), (2, 2, 2)]
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, generator=g) for s in shapes]
+
+    def clipped(device, compile_: bool):
+        params = [torch.nn.Parameter(v.to(device)) for v in values]
+        for p in params:
+            p.grad = p.detach() * 3
+        clip = lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.5, foreach=True)  # noqa: E731
+        norm = (torch.compile(clip, backend="tpu") if compile_ else clip)(params)
+        return [norm.cpu()] + [p.grad.cpu() for p in params]
+
+    torch._dynamo.reset()
+    torchtpu.reset_metrics()
+    _assert_lists_close(clipped("tpu", True), clipped("cpu", False))
+    assert torchtpu.metrics()["compiled_graphs"] == 1 and "compiled_graphs_split" not in torchtpu.metrics()
 
 
 @pytest.mark.parametrize(

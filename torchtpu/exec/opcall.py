@@ -712,10 +712,10 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 def strides_like(meta: Any, sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """Dense strides for `sizes` that order the dimensions as `meta`'s strides do -- PyTorch's
-    layout of a result (a permutation of a contiguous one) carried over to the sizes a program
-    runs at (a bucket's) -- or contiguous ones where `meta` is no dense tensor of that rank with
-    concrete strides."""
+    """The strides of a new tensor of `sizes` laid out as PyTorch lays out the result `meta`:
+    `meta`'s own where it is dense (a permutation of a contiguous layout) and of these sizes,
+    the same order of dimensions at other sizes (a bucket's, which a program runs at), and
+    contiguous where `meta` is no dense tensor of that rank with concrete strides."""
     if (
         not isinstance(meta, torch.Tensor)
         or meta.dim() != len(sizes)
@@ -723,6 +723,8 @@ def strides_like(meta: Any, sizes: tuple[int, ...]) -> tuple[int, ...]:
         or not _is_dense(meta)
     ):
         return contiguous_strides(sizes)
+    if tuple(meta.shape) == tuple(sizes):
+        return tuple(meta.stride())
     # Outermost first: larger strides, and among equal ones (dimensions of size 1) the earlier.
     order = sorted(range(len(sizes)), key=lambda d: (-meta.stride()[d], d))
     strides = [0] * len(sizes)
@@ -735,9 +737,8 @@ def strides_like(meta: Any, sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 def _new_tensor_spec(meta: torch.Tensor) -> NewTensor:
     sizes = tuple(meta.shape)
-    strides = tuple(meta.stride()) if _is_dense(meta) else contiguous_strides(sizes)
     dtypes.check_supported(meta.dtype)
-    return NewTensor(sizes, strides, meta.dtype, max(math.prod(sizes), 0))
+    return NewTensor(sizes, strides_like(meta, sizes), meta.dtype, max(math.prod(sizes), 0))
 
 
 def write_new(value, spec: NewTensor):

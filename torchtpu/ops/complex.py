@@ -7,23 +7,47 @@ results are checked against CPU (tests/torchtpu/test_fft.py); every other loweri
 `registry.ComplexNotSupported` naming the op and dtype (`registry.check_complex`).
 
 The conjugate of a tensor is lazy in PyTorch (a math bit, resolved by `opcall.read_tensor`);
-`_conj_physical` is the op that materialises one.
+`_conj_physical` is the op that materialises one. `torch.complex` and `torch.polar` build complex
+tensors from real parts (lowered here, so compiled graphs hold them too).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from torchtpu.ops import registry
 
 aten = torch.ops.aten
 
 
-@registry.register(aten._conj_physical.default, aten.conj_physical.default)
+@registry.register(aten._conj_physical.default, aten.conj_physical.default, aten._conj.default)
 def conj_physical(ctx, x):
-    """The complex conjugate (the identity on real tensors)."""
+    """The complex conjugate (the identity on real tensors). `_conj` is the lazy conjugate's
+    view: eager mode sets its math bit, never this; compiled graphs (a complex backward's) hold
+    it as a value."""
     return jnp.conj(x) if jnp.iscomplexobj(x) else x
+
+
+@registry.register(aten._neg_view.default)
+def neg_view(ctx, x):
+    """The lazy negation's view, as a value (compiled graphs; eager mode sets the math bit)."""
+    return -x
+
+
+@registry.register(aten.complex.default)
+def complex_(ctx, real, imag):
+    """`torch.complex`: a complex tensor of the given parts (float32 -> complex64, float64 ->
+    complex128)."""
+    return lax.complex(real, imag).astype(ctx.out_dtype())
+
+
+@registry.register(aten.polar.default)
+def polar(ctx, abs, angle):
+    """`torch.polar`: `abs * (cos(angle) + i sin(angle))`, each part computed as ATen's kernel
+    does, in the parts' dtype."""
+    return lax.complex(abs * jnp.cos(angle), abs * jnp.sin(angle)).astype(ctx.out_dtype())
 
 
 def _overloads(*packets) -> list:
@@ -39,6 +63,7 @@ registry.allow_complex(*[op for op in _overloads(
     aten.sin, aten.cos, aten.tan, aten.sinh, aten.cosh, aten.tanh, aten.sigmoid,
     aten.asin, aten.acos, aten.atan, aten.asinh, aten.acosh, aten.atanh,
     aten.pow, aten.angle, aten.sgn, aten.complex, aten.polar, aten._conj_physical, aten.conj_physical,
+    aten._conj, aten._neg_view,
     aten.eq, aten.ne, aten.isnan, aten.where, aten.masked_fill,
     aten.clone, aten.copy, aten.fill, aten.zero, aten.full, aten.full_like, aten.zeros_like,
     aten.ones_like, aten.scalar_tensor, aten._to_copy, aten.cat, aten.stack, aten.flip, aten.roll,

@@ -1,4 +1,4 @@
-"""Matrix products (mm, bmm, addmm, ... with TPU precision modes) and linear algebra.
+"""Matrix products (mm, bmm, addmm, ... with TPU precision modes, and their `out_dtype` forms) and linear algebra.
 
 Every floating-point product goes through `torchtpu.precision.dot_general`, so the matmul
 precision mode (1, 3 or 6 bf16 passes for float32) holds for all of them; bf16/f16 operands
@@ -68,6 +68,18 @@ def bmm(ctx, a, b):
     return product(ctx, a, b, _BMM, "mat2")
 
 
+@registry.register(aten.mm.dtype)
+def mm_out_dtype(ctx, a, b, out_dtype):
+    """`torch.mm(..., out_dtype=)`: bf16/f16 operands into a float32 result, accumulated in
+    float32 and never rounded to the operands' dtype (the meta kernel checks the dtypes)."""
+    return product(ctx, a, b, _MM, "mat2")
+
+
+@registry.register(aten.bmm.dtype)
+def bmm_out_dtype(ctx, a, b, out_dtype):
+    return product(ctx, a, b, _BMM, "mat2")
+
+
 @registry.register(aten.mv.default)
 def mv(ctx, a, v):
     return product(ctx, a, v, _MV)
@@ -84,6 +96,11 @@ def addmm(ctx, self, a, b, *, beta=1, alpha=1):
     return _accumulate(ctx, self, product(ctx, a, b, _MM, "mat2"), beta, alpha)
 
 
+@registry.register(aten.addmm.dtype)
+def addmm_out_dtype(ctx, self, a, b, out_dtype, *, beta=1, alpha=1):
+    return _accumulate(ctx, self, product(ctx, a, b, _MM, "mat2"), beta, alpha)
+
+
 @registry.register(aten.addmv.default)
 def addmv(ctx, self, a, v, *, beta=1, alpha=1):
     return _accumulate(ctx, self, product(ctx, a, v, _MV), beta, alpha)
@@ -91,6 +108,23 @@ def addmv(ctx, self, a, v, *, beta=1, alpha=1):
 
 @registry.register(aten.baddbmm.default)
 def baddbmm(ctx, self, a, b, *, beta=1, alpha=1):
+    return _accumulate(ctx, self, product(ctx, a, b, _BMM, "batch2"), beta, alpha)
+
+
+def _baddbmm_out_dtype_meta(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
+    """`baddbmm.dtype`'s output metadata: PyTorch's meta kernel for it is its `baddbmm`
+    decomposition, registered for every overload, which reads `out_dtype` as `beta` and fails."""
+    out = aten.bmm.dtype(batch1, batch2, out_dtype)
+    if torch.broadcast_shapes(self.shape, out.shape) != out.shape:
+        raise RuntimeError(f"baddbmm: self of shape {list(self.shape)} does not broadcast to the "
+                           f"product's shape {list(out.shape)}")
+    return out
+
+
+@registry.register(aten.baddbmm.dtype, meta=_baddbmm_out_dtype_meta)
+def baddbmm_out_dtype(ctx, self, a, b, out_dtype, *, beta=1, alpha=1):
+    """(PyTorch's own decomposition of `baddbmm` is registered for this overload too, and reads
+    `out_dtype` as `beta`: this lowering comes first.)"""
     return _accumulate(ctx, self, product(ctx, a, b, _BMM, "batch2"), beta, alpha)
 
 

@@ -118,6 +118,33 @@ def test_bf16_accumulates_in_fp32_and_rounds_once():
     same_as_cpu(torch.mm, a16, b16, exact=False)
 
 
+OUT_DTYPE_PRODUCTS = {
+    "mm": lambda a, b, c, **kw: torch.mm(a, b, **kw),
+    "addmm": lambda a, b, c, **kw: torch.addmm(c, a, b, beta=0.5, alpha=2, **kw),
+    "bmm": lambda a, b, c, **kw: torch.bmm(a[None], b[None], **kw),
+    "baddbmm": lambda a, b, c, **kw: torch.baddbmm(c[None], a[None], b[None], beta=0.5, alpha=2, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUT_DTYPE_PRODUCTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_products_accumulate_into_a_float32_result(name, dtype):
+    """`out_dtype=torch.float32` of bf16/f16 operands (PyTorch has these overloads on CUDA only,
+    so the reference is its CPU product of the operands widened to float32: exact products,
+    float32 sums); `out_dtype` equal to the operands' is the plain product."""
+    g = torch.Generator().manual_seed(7)
+    a, b, c = (torch.randn(shape, generator=g).to(dtype) for shape in ((6, 32), (32, 5), (6, 5)))
+    fn = OUT_DTYPE_PRODUCTS[name]
+    moved = [t.to("tpu") for t in (a, b, c)]
+    widened = fn(a.float(), b.float(), c.float())
+    torch.testing.assert_close(fn(*moved, out_dtype=torch.float32).cpu(), widened, rtol=1e-6, atol=1e-5)
+    same_dtype = fn(*moved, out_dtype=dtype).cpu()
+    assert same_dtype.dtype == dtype
+    torch.testing.assert_close(same_dtype, widened.to(dtype), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out_dtype"):  # PyTorch's meta kernels refuse it
+        fn(*moved, out_dtype=torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+
+
 def test_out_and_inplace_variants():
     a, b = randn(5, 3), randn(3, 4)
     out = torch.empty(5, 4, device="tpu")

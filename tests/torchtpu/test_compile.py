@@ -145,6 +145,31 @@ def test_empty_tensors_are_made_inside_the_compiled_program():
     assert "compiled_graphs_split" not in torchtpu.metrics()
 
 
+def test_ops_eager_decomposes_outside_the_core_opset_decompose_in_graphs_too():
+    """`torch.dist`, `narrow_copy`, `new_empty_strided` and `_addmm_activation` run in eager
+    mode as PyTorch's decompositions, which are not Core ATen ones (`decomps._COMPILE_ALSO`); a
+    compiled graph decomposes them too instead of running them eagerly beside the program. So
+    does it lower the `out_dtype` products."""
+
+    def fn(x, mm_out_dtype=True):
+        bf16 = x.to(torch.bfloat16)
+        return (
+            torch.dist(x, x.flip(0), 3) + torch.narrow_copy(x, 1, 1, 3).sum(),
+            x.new_empty_strided((2, 3), (1, 2)).fill_(1) * 2,
+            torch._addmm_activation(x[0, :4], x[:, :3], x[:3, :4], use_gelu=True),
+            # (CPU has no mm.dtype: its reference is the product of the widened operands.)
+            torch.mm(bf16, bf16.t(), out_dtype=torch.float32) if mm_out_dtype else bf16.float() @ bf16.float().t(),
+        )
+
+    x = torch.randn(4, 5)
+    with torch.tpu.precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        outs = torch.compile(fn, backend="tpu")(x.to("tpu"))
+    for out, reference in zip(outs, fn(x, mm_out_dtype=False)):
+        torch.testing.assert_close(out.cpu(), reference, rtol=1e-5, atol=1e-5)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
 def test_outputs_are_laid_out_as_in_eager():
     """A compiled graph's new outputs get the strides PyTorch gives the eager results (a
     transposed product stays transposed), not a contiguous layout of their own."""

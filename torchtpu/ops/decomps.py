@@ -113,9 +113,25 @@ def get(op: OpOverload) -> Callable[..., Any] | None:
     return decomposition_table.get(op)
 
 
+# Functional ops outside the Core ATen opset that eager mode runs as PyTorch's decompositions
+# (`get`) and compiled graphs should too, rather than splitting to run them eagerly. Each is
+# checked to trace under AOTAutograd (tests/torchtpu/test_compile.py): a decomposition that
+# writes in place (`polar`'s) does not, which is why this is a list and not every entry of
+# `decomposition_table`.
+_COMPILE_ALSO = (
+    _aten.dist.default,
+    _aten.narrow_copy.default,
+    _aten.new_empty_strided.default,
+    _aten._addmm_activation.default,
+)
+
+
 def for_compile() -> dict[OpOverload, Callable[..., Any]]:
-    """Decompositions AOTAutograd should apply for `torch.compile(backend="tpu")`: PyTorch's
-    decompositions to the Core ATen opset, for ops the registry does not lower itself."""
+    """Decompositions AOTAutograd should apply for `torch.compile(backend="tpu")`, for ops the
+    registry does not lower itself: PyTorch's decompositions to the Core ATen opset, and eager's
+    of the ops in `_COMPILE_ALSO`."""
     from torch._decomp import core_aten_decompositions
 
-    return {op: fn for op, fn in core_aten_decompositions().items() if registry.get(op) is None}
+    table = {op: fn for op, fn in core_aten_decompositions().items() if registry.get(op) is None}
+    table.update({op: get(op) for op in _COMPILE_ALSO if get(op) is not None})
+    return table

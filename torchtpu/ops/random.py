@@ -243,6 +243,36 @@ def _check_range(low: int, high: int, dtype_low: int, dtype_high: int, dtype) ->
         raise RuntimeError(f"to - 1 is out of bounds for {dtype}: {high} not in [{dtype_low}, {dtype_high}]")
 
 
+def _randint(ctx, low: int, high: int, generator) -> object:
+    """Integers uniform over [low, high), as `random_(low, high)` draws them -- which is how eager
+    mode runs `torch.randint` (PyTorch's composite kernel); compiled graphs hold the op itself
+    (negative sampling inside a compiled model, say)."""
+    _check_generator(ctx, generator)
+    dtype_low, dtype_high = _bounds(np.dtype(ctx.out_dtype()))
+    _check_range(low, high - 1, dtype_low, dtype_high, ctx.out().dtype)
+    return _random_integers(ctx, low, high - low)
+
+
+@registry.register(aten.randint.default, aten.randint.generator, random=True)
+def randint(ctx, high, size, *, generator=None, **options):
+    return _randint(ctx, 0, high, generator)
+
+
+@registry.register(aten.randint.low, aten.randint.low_generator, random=True)
+def randint_low(ctx, low, high, size, *, generator=None, **options):
+    return _randint(ctx, low, high, generator)
+
+
+@registry.register(aten.randint_like.default, aten.randint_like.generator, random=True)
+def randint_like(ctx, x, high, *, generator=None, **options):
+    return _randint(ctx, 0, high, generator)
+
+
+@registry.register(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, random=True)
+def randint_like_low(ctx, x, low, high, *, generator=None, **options):
+    return _randint(ctx, low, high, generator)
+
+
 @registry.register(aten.randperm.default, aten.randperm.generator, random=True)
 def randperm(ctx, n, *, generator=None, **options):
     _check_generator(ctx, generator)

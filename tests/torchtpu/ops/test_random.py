@@ -89,6 +89,22 @@ def _chisquare(values: np.ndarray, pmf: dict[int, float]) -> float:
     return stats.chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum()).pvalue
 
 
+def _compiled_randint():
+    """`torch.randint` and `randint_like` drawn inside one compiled graph (no graph split)."""
+    import warnings
+
+    import torchtpu
+
+    torchtpu.reset_metrics()
+    draw = torch.compile(lambda x: torch.cat([torch.randint(-1, 5, (N // 2,), device=x.device),
+                                             torch.randint_like(x, -1, 5)]), backend="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        values = draw(_empty(N // 2, dtype=torch.int64))
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+    return values
+
+
 DISCRETE = {
     "geometric_": (lambda: _empty().geometric_(0.3), {k: stats.geom(0.3).pmf(k) for k in range(1, 25)}),
     "geometric_int64": (lambda: _empty(dtype=torch.int64).geometric_(0.5), {k: 0.5**k for k in range(1, 20)}),
@@ -100,6 +116,9 @@ DISCRETE = {
     "random_from_to": (lambda: _empty(dtype=torch.int32).random_(-3, 4), {k: 1 / 7 for k in range(-3, 4)}),
     "randint": (lambda: torch.randint(3, 7, (N,), device="tpu"), {k: 0.25 for k in range(3, 7)}),
     "randint_like": (lambda: torch.randint_like(_empty(dtype=torch.int16), 5), {k: 0.2 for k in range(5)}),
+    "randint_like_low": (lambda: torch.randint_like(_empty(), -2, 3), {k: 0.2 for k in range(-2, 3)}),
+    # Inside a compiled graph the ops themselves are lowered (eager runs PyTorch's random_ composite).
+    "randint_compiled": (lambda: _compiled_randint(), {k: 1 / 6 for k in range(-1, 5)}),
     "random_bool": (lambda: _empty(dtype=torch.bool).random_(), {0: 0.5, 1: 0.5}),
     "random_uint8": (lambda: _empty(dtype=torch.uint8).random_(), {k: 1 / 256 for k in range(256)}),
     "random_bf16": (lambda: _empty(dtype=torch.bfloat16).random_(), {k: 1 / 257 for k in range(257)}),

@@ -8,8 +8,9 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
   host from the small offset and permutation lists), the cumulative sums of offsets, the
-  positions within segments (`offsets_range`) and, under FBGEMM's own autograd, the jagged <->
-  padded dense conversions and the former's adjoint (row gathers of static shape);
+  positions within segments (`offsets_range`), the sums of segments (`segment_sum_csr`) and,
+  under FBGEMM's own autograd, the jagged <-> padded dense conversions and the former's adjoint
+  (row gathers of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.
   These ops work on integer ids and lengths (and per-id weights, which they only move), never
@@ -89,13 +90,34 @@ def offsets_range(offsets: torch.Tensor, range_size: int) -> torch.Tensor:
     return position - offsets.index_select(0, segment) if offsets.shape[0] else position
 
 
+def segment_sum_csr(batch_size: int, csr_seg: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sums of `values` over segments of whole batches: segment i is `values[csr_seg[i] *
+    batch_size : csr_seg[i + 1] * batch_size]`. TorchRec sums the lengths of each key or rank
+    with it. A segment running past the values' end is a device-side check (FBGEMM's CPU kernel
+    reads beyond them)."""
+    flat = values.reshape(-1)
+    bounds = csr_seg.to(torch.int64) * batch_size
+    segments = bounds.shape[0] - 1
+    if segments > 0:
+        torch._assert_async(bounds[-1] <= flat.shape[0],
+                            "fbgemm.segment_sum_csr: the last segment ends past the values (csr_seg[-1] * batch_size > values.numel())")
+    position = torch.arange(flat.shape[0], device=flat.device)
+    segment = torch.searchsorted(bounds, position, right=True) - 1
+    inside = (segment >= 0) & (segment < segments)
+    sums = torch.zeros(max(segments, 0), dtype=values.dtype, device=values.device)
+    if segments <= 0 or flat.shape[0] == 0:
+        return sums
+    return sums.index_add(0, torch.where(inside, segment, 0), torch.where(inside, flat, 0))
+
+
 _OFFSETS = {
     "asynchronous_complete_cumsum": asynchronous_complete_cumsum,
     "asynchronous_exclusive_cumsum": asynchronous_exclusive_cumsum,
     "asynchronous_inclusive_cumsum": asynchronous_inclusive_cumsum,
     "offsets_range": offsets_range,
+    "segment_sum_csr": segment_sum_csr,
 }
-"""Offsets arithmetic: offsets from lengths, positions within segments."""
+"""Offsets arithmetic: offsets from lengths, positions within segments, sums of segments."""
 
 
 def _one_jagged_dimension(name: str, offsets: list[torch.Tensor]) -> torch.Tensor:

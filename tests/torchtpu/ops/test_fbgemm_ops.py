@@ -71,6 +71,43 @@ def test_offsets_range(offsets, range_size, dtype):
     _same(ops.offsets_range(offsets.to("tpu"), range_size), ops.offsets_range(offsets, range_size))
 
 
+SEGMENTS = [([0, 1, 3], 1), ([0, 0, 2, 2, 4], 3), ([1, 2], 3), ([0], 2), ([2, 2], 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+@pytest.mark.parametrize("csr_seg, batch_size", SEGMENTS)
+def test_segment_sum_csr(csr_seg, batch_size, dtype):
+    """Empty segments, values before the first segment and after the last (left out, as FBGEMM
+    leaves them), no segments at all; integers bit for bit, float32 sums up to their order."""
+    values = (torch.randn(4 * batch_size + 2, generator=torch.Generator().manual_seed(3)) * 10).to(dtype)
+    for seg_dtype in (torch.int32, torch.int64):
+        seg = torch.tensor(csr_seg, dtype=seg_dtype)
+        got, expected = ops.segment_sum_csr(batch_size, *_tpu(seg, values)), ops.segment_sum_csr(batch_size, seg, values)
+        assert got.device.type == "tpu" and got.dtype == expected.dtype
+        exact = dict(rtol=0, atol=0) if not dtype.is_floating_point else {}
+        torch.testing.assert_close(got.cpu(), expected, **exact)
+
+
+def test_segment_sum_csr_past_the_values_is_a_device_side_error():
+    from torchtpu.exec.checks import DeviceCheckError
+
+    with pytest.raises(DeviceCheckError, match="segment_sum_csr: the last segment ends past the values"):
+        ops.segment_sum_csr(3, *_tpu(torch.tensor([0, 2]), torch.ones(5))).cpu()
+
+
+def test_variable_batch_length_per_key_on_the_device():
+    """TorchRec's `length_per_key` of a variable-batch KJT sums each key's lengths with
+    `segment_sum_csr`: the same on tpu as on the CPU, without the CPU fallback."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths = torch.tensor([2, 0, 1, 3, 1, 1, 0, 2])
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.arange(10), lengths=lengths,
+                            stride_per_key_per_rank=[[2], [4], [2]])
+    counters.reset()
+    assert kjt.to("tpu").length_per_key() == kjt.length_per_key() == [2, 6, 2]
+    assert "cpu_fallback" not in str(counters.snapshot())
+
+
 def test_position_weighted_features_on_the_device():
     """TorchRec's `PositionWeightedModuleCollection` (what `offsets_range` serves): the same
     weights and parameter gradients as on the CPU, without the CPU fallback."""

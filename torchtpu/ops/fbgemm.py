@@ -9,8 +9,8 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
   host from the small offset and permutation lists), the cumulative sums of offsets, the
   positions within segments (`offsets_range`), the sums of segments (`segment_sum_csr`) and,
-  under FBGEMM's own autograd, the jagged <-> padded dense conversions and the former's adjoint
-  (row gathers of static shape);
+  under FBGEMM's own autograd, the jagged <-> padded dense conversions, the selection of
+  segments (`jagged_index_select`) and their adjoints (row gathers and scatters of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.
   These ops work on integer ids and lengths (and per-id weights, which they only move), never
@@ -183,12 +183,55 @@ def jagged_to_padded_dense_backward(grad_output: torch.Tensor, offsets: list[tor
     return dense_to_jagged_forward(grad_output, offsets, total_L)
 
 
+def _selected_rows(indices: torch.Tensor, source_offsets: torch.Tensor, selection_offsets: torch.Tensor,
+                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the `rows` rows of a jagged selection: the source row it copies, and whether it
+    is one (rows past the last segment are not). Segment j of the selection is source segment
+    `indices[j]`; both offsets are inclusive (each segment's end), as FBGEMM's are."""
+    row = torch.arange(rows, device=indices.device)
+    segment = torch.searchsorted(selection_offsets, row, right=True)
+    inside = segment < selection_offsets.shape[0]
+    segment = torch.where(inside, segment, 0)
+    selection_start = torch.cat([selection_offsets.new_zeros(1), selection_offsets[:-1]]).index_select(0, segment)
+    source_start = torch.cat([source_offsets.new_zeros(1), source_offsets[:-1]]).index_select(
+        0, indices.index_select(0, segment))
+    return torch.where(inside, source_start + (row - selection_start), 0), inside
+
+
+def _rows_where(inside: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values`' rows where `inside`, zero rows elsewhere."""
+    return torch.where(inside.reshape(-1, *[1] * (values.dim() - 1)), values, 0)
+
+
+def jagged_index_select_2d_forward(values: torch.Tensor, indices: torch.Tensor, input_offsets: torch.Tensor,
+                                   output_offsets: torch.Tensor, num_dense_output_rows: int) -> torch.Tensor:
+    """The rows of the segments `indices` names, one after another (`jagged_index_select`, which
+    TorchRec's KJT pools use): a gather of `num_dense_output_rows` rows, a static shape."""
+    source, inside = _selected_rows(indices, input_offsets, output_offsets, num_dense_output_rows)
+    if values.shape[0] == 0:
+        return values.new_zeros((num_dense_output_rows, *values.shape[1:]))
+    return _rows_where(inside, values.index_select(0, source))
+
+
+def jagged_index_add_2d_forward(values: torch.Tensor, indices: torch.Tensor, input_offsets: torch.Tensor,
+                                output_offsets: torch.Tensor, num_dense_input_rows: int,
+                                num_output_rows: int) -> torch.Tensor:
+    """The selection's adjoint (its backward): each of the `num_dense_input_rows` rows of `values`
+    (laid out by `input_offsets`) added into the row of segment `indices[j]` it was copied from,
+    in `num_output_rows` rows laid out by `output_offsets`."""
+    target, inside = _selected_rows(indices, output_offsets, input_offsets, num_dense_input_rows)
+    return values.new_zeros((num_output_rows, *values.shape[1:])).index_add(0, target, _rows_where(inside, values))
+
+
 _JAGGED = {
     "jagged_to_padded_dense_forward": jagged_to_padded_dense_forward,
     "jagged_to_padded_dense_backward": jagged_to_padded_dense_backward,
     "dense_to_jagged_forward": dense_to_jagged_forward,
+    "jagged_index_select_2d_forward": jagged_index_select_2d_forward,
+    "jagged_index_add_2d_forward": jagged_index_add_2d_forward,
 }
-"""Jagged <-> padded dense conversions (`JaggedTensor.to_padded_dense`), under FBGEMM's autograd."""
+"""Jagged <-> padded dense conversions (`JaggedTensor.to_padded_dense`) and selections of
+segments (`jagged_index_select`), under FBGEMM's autograd."""
 
 
 def _host_staged(name: str):

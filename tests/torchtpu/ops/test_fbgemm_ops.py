@@ -108,6 +108,31 @@ def test_variable_batch_length_per_key_on_the_device():
     assert "cpu_fallback" not in str(counters.snapshot())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("lengths, indices", [([2, 0, 3, 2], [2, 0, 2, 3]), ([1, 1], [1, 1, 0]), ([0, 0], [1]),
+                                              ([4, 1], [0])])
+def test_jagged_index_select_values_and_gradient(lengths, indices, dtype):
+    """`jagged_index_select` (TorchRec's KJT pools): FBGEMM's autograd over the tpu selection and
+    its adjoint, without the CPU fallback; equal to FBGEMM's CPU kernels bit for bit, but for the
+    gradient of a segment selected twice (its two rows' sum, in another order: float32's
+    default tolerance)."""
+    lengths, indices = torch.tensor(lengths), torch.tensor(indices)
+    values = (torch.randn(int(lengths.sum()), 3, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
+    results = []
+    for device in ("cpu", "tpu"):
+        moved = values.to(device, copy=True).requires_grad_(dtype.is_floating_point)
+        counters.reset()
+        output, output_lengths = ops.jagged_index_select(moved, lengths.to(device), indices.to(device))
+        got = [output.detach().cpu(), output_lengths.cpu()]
+        if dtype.is_floating_point and output.numel():
+            (output * torch.linspace(-1, 2, output.numel(), device=device).reshape(output.shape)).sum().backward()
+            got.append(moved.grad.cpu())
+        assert "cpu_fallback" not in str(counters.snapshot())
+        results.append(got)
+    for position, (got, expected) in enumerate(zip(results[1], results[0])):
+        torch.testing.assert_close(got, expected, **({} if position == 2 else dict(rtol=0, atol=0)))
+
+
 def test_position_weighted_features_on_the_device():
     """TorchRec's `PositionWeightedModuleCollection` (what `offsets_range` serves): the same
     weights and parameter gradients as on the CPU, without the CPU fallback."""

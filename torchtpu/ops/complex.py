@@ -44,10 +44,10 @@ def complex_(ctx, real, imag):
 
 
 @registry.register(aten.polar.default)
-def polar(ctx, abs, angle):
-    """`torch.polar`: `abs * (cos(angle) + i sin(angle))`, each part computed as ATen's kernel
-    does, in the parts' dtype."""
-    return lax.complex(abs * jnp.cos(angle), abs * jnp.sin(angle)).astype(ctx.out_dtype())
+def polar(ctx, radius, angle):
+    """`torch.polar(abs, angle)`: `abs * (cos(angle) + i sin(angle))`, each part computed as
+    ATen's kernel does, in the parts' dtype."""
+    return lax.complex(radius * jnp.cos(angle), radius * jnp.sin(angle)).astype(ctx.out_dtype())
 
 
 def _overloads(*packets) -> list:

@@ -98,15 +98,14 @@ def segment_sum_csr(batch_size: int, csr_seg: torch.Tensor, values: torch.Tensor
     flat = values.reshape(-1)
     bounds = csr_seg.to(torch.int64) * batch_size
     segments = bounds.shape[0] - 1
-    if segments > 0:
-        torch._assert_async(bounds[-1] <= flat.shape[0],
-                            "fbgemm.segment_sum_csr: the last segment ends past the values (csr_seg[-1] * batch_size > values.numel())")
+    sums = torch.zeros(max(segments, 0), dtype=values.dtype, device=values.device)
+    if segments <= 0:
+        return sums
+    torch._assert_async(bounds[-1] <= flat.shape[0], "fbgemm.segment_sum_csr: the last segment ends "
+                        "past the values (csr_seg[-1] * batch_size > values.numel())")
     position = torch.arange(flat.shape[0], device=flat.device)
     segment = torch.searchsorted(bounds, position, right=True) - 1
     inside = (segment >= 0) & (segment < segments)
-    sums = torch.zeros(max(segments, 0), dtype=values.dtype, device=values.device)
-    if segments <= 0 or flat.shape[0] == 0:
-        return sums
     return sums.index_add(0, torch.where(inside, segment, 0), torch.where(inside, flat, 0))
 
 

@@ -243,10 +243,11 @@ def _check_range(low: int, high: int, dtype_low: int, dtype_high: int, dtype) ->
         raise RuntimeError(f"to - 1 is out of bounds for {dtype}: {high} not in [{dtype_low}, {dtype_high}]")
 
 
-def _randint(ctx, low: int, high: int, generator) -> object:
-    """Integers uniform over [low, high), as `random_(low, high)` draws them -- which is how eager
-    mode runs `torch.randint` (PyTorch's composite kernel); compiled graphs hold the op itself
-    (negative sampling inside a compiled model, say)."""
+def _randint(ctx, low: int, high: int, generator):
+    """`randint` / `randint_like`: integers uniform over [low, high), drawn as `random_(low,
+    high)` draws them, with its range checks. (PyTorch's composite kernel writes them as `empty`
+    and `random_`; lowered, they also run inside compiled graphs -- negative sampling in a
+    compiled model, say.)"""
     _check_generator(ctx, generator)
     dtype_low, dtype_high = _bounds(np.dtype(ctx.out_dtype()))
     _check_range(low, high - 1, dtype_low, dtype_high, ctx.out().dtype)

@@ -1,4 +1,5 @@
-"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), empty in compiled graphs, eye, linspace, logspace, tril/triu indices (device given by argument).
+"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), empty in compiled graphs,
+eye, linspace, logspace, tril/triu indices (device given by argument).
 
 The output shape and dtype come from PyTorch's meta kernels (`ctx.out_shape()`,
 `ctx.out_dtype()`), which also do the dtype inference from Scalar types and the argument

@@ -1,4 +1,5 @@
-"""Matrix products (mm, bmm, addmm, ... with TPU precision modes, and their `out_dtype` forms) and linear algebra.
+"""Matrix products (mm, bmm, addmm, ... with TPU precision modes, and their `out_dtype` forms) and
+linear algebra.
 
 Every floating-point product goes through `torchtpu.precision.dot_general`, so the matmul
 precision mode (1, 3 or 6 bf16 passes for float32) holds for all of them; bf16/f16 operands

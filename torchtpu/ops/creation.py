@@ -1,5 +1,5 @@
-"""Factory ops: arange, full (and the zeros of `_efficientzerotensor`), empty in compiled graphs,
-eye, linspace, logspace, tril/triu indices (device given by argument).
+"""Factory ops: arange (and the deprecated range), full (and the zeros of `_efficientzerotensor`),
+empty in compiled graphs, eye, linspace, logspace, tril/triu indices (device given by argument).
 
 The output shape and dtype come from PyTorch's meta kernels (`ctx.out_shape()`,
 `ctx.out_dtype()`), which also do the dtype inference from Scalar types and the argument
@@ -49,6 +49,13 @@ def arange(ctx, start, end, step=1, *, dtype=None, layout=None, device=None, pin
         accumulate = np.dtype(np.float64) if np.dtype(out).itemsize >= 4 else np.dtype(np.float32)
     (n,) = ctx.out_shape()
     return jnp.asarray(start, accumulate) + jnp.asarray(step, accumulate) * jnp.arange(n, dtype=accumulate)
+
+
+@registry.register(aten.range.step, aten.range.default)
+def range_(ctx, start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.range` (deprecated by PyTorch: `end` is included): `arange`'s values over the size
+    PyTorch's meta kernel gives it."""
+    return arange(ctx, start, end, step)
 
 
 @registry.register(aten.full.default, dynamic_scalars=True)

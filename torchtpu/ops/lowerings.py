@@ -31,4 +31,5 @@ from torchtpu.ops import (  # noqa: F401
     sorting,
     special,
     views,
+    windows,
 )

@@ -131,3 +131,56 @@ def test_triangle_indices(row, col, offset):
     same_on_both(lambda device: torch.tril_indices(row, col, offset, device=device))
     same_on_both(lambda device: torch.triu_indices(row, col, offset, device=device))
     same_on_both(lambda device: torch.tril_indices(row, col, offset, dtype=torch.int32, device=device))
+
+
+WINDOWS = {
+    "hamming": lambda n, periodic, **kw: torch.hamming_window(n, periodic, **kw),
+    "hamming_alpha_beta": lambda n, periodic, **kw: torch.hamming_window(n, periodic, alpha=0.5, beta=0.3, **kw),
+    "blackman": lambda n, periodic, **kw: torch.blackman_window(n, periodic, **kw),
+    "bartlett": lambda n, periodic, **kw: torch.bartlett_window(n, periodic, **kw),
+    "kaiser": lambda n, periodic, **kw: torch.kaiser_window(n, periodic, **kw),
+    "kaiser_beta": lambda n, periodic, **kw: torch.kaiser_window(n, periodic, 5.0, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWS))
+@pytest.mark.parametrize("periodic", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_window_functions(name, periodic, dtype):
+    """ATen's steps in the output dtype: equal to CPU but for the last bits of `cos` and `i0`
+    (within 4 eps of the window's [0, 1] values). `kaiser_window` failed on tpu before (its
+    kernel is a CPU/CUDA dispatch stub)."""
+    window = WINDOWS[name]
+    for n in (0, 1, 2, 7, 64):
+        expected = window(n, periodic, dtype=dtype)
+        actual = window(n, periodic, dtype=dtype, device="tpu")
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=4 * torch.finfo(dtype).eps)
+
+
+def test_window_functions_run_inside_a_compiled_graph():
+    """They split compiled graphs before (their composite kernels stay nodes in AOTAutograd's)."""
+    import warnings
+
+    def tapered(x):
+        d = x.device
+        return (x * torch.hamming_window(8, device=d) + torch.kaiser_window(8, device=d)
+                + torch.blackman_window(8, device=d) * torch.bartlett_window(8, device=d))
+
+    torchtpu.reset_metrics()
+    x = torch.randn(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        actual = torch.compile(tapered, backend="tpu")(x.to("tpu"))
+    torch.testing.assert_close(actual.cpu(), tapered(x))
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
+@pytest.mark.parametrize("args, dtype", [((0, 4, 0.5), None), ((1, 4), torch.int64), ((3, -1, -0.75), torch.float64)])
+def test_range_includes_its_end(args, dtype):
+    """The deprecated `torch.range` (old code still calls it): `arange`'s values, `end` included."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PyTorch's deprecation warning
+        same_on_both(lambda device: torch.range(*args, dtype=dtype, device=device))

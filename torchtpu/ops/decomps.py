@@ -3,7 +3,9 @@
 `torch._decomp` writes many ATen ops in terms of simpler ones (the Core ATen opset). An op with
 no lowering here but a decomposition there runs as that decomposition: its pieces dispatch to
 the `tpu` kernels one by one in strict mode, and are fused into one program in defer and compiled
-modes. In-place and `out=` overloads decompose through their functional overload.
+modes. In-place and `out=` overloads decompose through their functional overload. A few ops
+decompose here by compositions of torchtpu's own (`_LOCAL`): batch norm keeping the CPU's saved
+statistics, and the attention modules' inference fast path (`fastpath`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch._decomp import decomposition_table
 from torch._ops import OpOverload
 
 from torchtpu.ops import registry
+from torchtpu.ops.fastpath import FASTPATH
 from torchtpu.ops.nn import cpu_saved_statistics
 from torchtpu.ops.schema import functional_arguments, functional_variant, signature
 
@@ -86,6 +89,7 @@ _LOCAL = {
     _aten._native_batch_norm_legit.default: _saves_as_cpu(decomposition_table[_aten._native_batch_norm_legit.default]),
     _aten._batch_norm_with_update.default: _saves_as_cpu(decomposition_table[_aten._batch_norm_with_update.default],
                                                          training=True),
+    **FASTPATH,  # the attention modules' inference fast path, composed of lowered ops
 }
 
 

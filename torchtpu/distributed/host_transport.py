@@ -537,9 +537,11 @@ class HostTransport:
         return self._launch("all_gather", s, work, [t for group in outputs for t in group])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions) -> TpuWork:
+        """Any shapes of matching sizes, as NCCL takes them (gloo's own splits the output along
+        dim 0: SyncBatchNorm gathers `[C]` into `[1, world * C]`): gloo gets both flat."""
         s = _Staging(self._buffers, self._results)
-        host_in = s.read(input)
-        work = self._gloo._allgather_base(s.receive(output), host_in, opts)
+        host_in = s.read(input).view(-1)
+        work = self._gloo._allgather_base(s.receive(output).view(-1), host_in, opts)
         return self._launch("all_gather_into_tensor", s, work, [output])
 
     def gather(self, outputs: Sequence[Tensors], inputs: Tensors, opts: dist.GatherOptions) -> TpuWork:
@@ -561,9 +563,10 @@ class HostTransport:
         return self._launch("reduce_scatter", s, work, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions) -> TpuWork:
+        """Any shapes of matching sizes, flat for gloo (as `all_gather_single`)."""
         s = _Staging(self._buffers, self._results)
-        host_in = s.read(input)
-        work = self._gloo._reduce_scatter_base(s.receive(output), host_in, opts)
+        host_in = s.read(input).view(-1)
+        work = self._gloo._reduce_scatter_base(s.receive(output).view(-1), host_in, opts)
         return self._launch("reduce_scatter_tensor", s, work, [output])
 
     def stage_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,

@@ -181,6 +181,19 @@ def _all_gather_into_tensor(c: Case):
     return [out], False
 
 
+def _single_tensor_collectives_of_other_shapes(c: Case):
+    """Shapes whose sizes match but not along dim 0 (SyncBatchNorm gathers `[C]` into `[1, world
+    * C]`): NCCL and tpu_dist take them; gloo splits along dim 0 and refuses them, so its
+    reference runs flat."""
+    flat = c.device.type == "cpu"
+    gathered = c.empty(c.world * 6) if flat else c.empty(1, c.world * 6)
+    c.run(dist.all_gather_into_tensor, gathered, c.data(6) if flat else c.data(2, 3))
+    scattered = c.empty(4) if flat else c.empty(2, 2)
+    reduced = c.data(4 * c.world, salt=1)
+    c.run(dist.reduce_scatter_tensor, scattered, reduced if flat else reduced.view(1, -1), op=dist.ReduceOp.SUM)
+    return [gathered.view(1, -1), scattered.view(2, 2)], False
+
+
 def _all_to_all_single_even(c: Case):
     out = c.empty(2 * c.world, 3)
     c.run(dist.all_to_all_single, out, c.data(2 * c.world, 3))
@@ -314,6 +327,7 @@ CASES: dict[str, Callable] = {
     "all_gather_into_views": _all_gather_into_views,
     "all_reduce_view": _all_reduce_view,
     "all_gather_into_tensor": _all_gather_into_tensor,
+    "single_tensor_collectives_of_other_shapes": _single_tensor_collectives_of_other_shapes,
     "all_to_all_single_even": _all_to_all_single_even,
     "all_to_all_single_in_place": _all_to_all_single_in_place,
     "all_to_all_single_uneven": _all_to_all_single_uneven,

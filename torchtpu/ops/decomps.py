@@ -5,7 +5,8 @@ no lowering here but a decomposition there runs as that decomposition: its piece
 the `tpu` kernels one by one in strict mode, and are fused into one program in defer and compiled
 modes. In-place and `out=` overloads decompose through their functional overload. A few ops
 decompose here by compositions of torchtpu's own (`_LOCAL`): batch norm keeping the CPU's saved
-statistics, and the attention modules' inference fast path (`fastpath`).
+statistics, the attention modules' inference fast path (`fastpath`) and SyncBatchNorm's
+statistics ops (`sync_batch_norm`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch._ops import OpOverload
 from torchtpu.ops import registry
 from torchtpu.ops.fastpath import FASTPATH
 from torchtpu.ops.nn import cpu_saved_statistics
+from torchtpu.ops.sync_batch_norm import SYNC_BATCH_NORM
 from torchtpu.ops.schema import functional_arguments, functional_variant, signature
 
 
@@ -90,6 +92,7 @@ _LOCAL = {
     _aten._batch_norm_with_update.default: _saves_as_cpu(decomposition_table[_aten._batch_norm_with_update.default],
                                                          training=True),
     **FASTPATH,  # the attention modules' inference fast path, composed of lowered ops
+    **SYNC_BATCH_NORM,  # SyncBatchNorm's statistics ops (CUDA kernels only), composed likewise
 }
 
 

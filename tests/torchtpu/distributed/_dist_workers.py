@@ -770,6 +770,41 @@ def _batches(world: int, steps: int, per_rank: int):
             for _ in range(steps)]
 
 
+def _batch_norm_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def sync_batch_norm_training(rank: int, world: int, modes: tuple[str, ...], steps: int = 5,
+                             per_rank: int = 4) -> None:
+    """`convert_sync_batchnorm` under DDP over tpu_dist, each rank on its part of every batch,
+    equals one process training the plain model (BatchNorm1d) on the whole batches on `tpu`:
+    weights, and the running statistics the synchronised norm keeps (its statistics ops are
+    torchtpu's compositions, `torchtpu/ops/sync_batch_norm.py`)."""
+    _init()
+    device = torch.device("tpu", 0)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for mode in modes:
+        torchtpu.set_eager_mode(mode)
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(_batch_norm_model()).to(device)
+        model = torch.nn.parallel.DistributedDataParallel(synced)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        reference = _batch_norm_model().to(device)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for x, y in _batches(world, steps, per_rank):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            torch.nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
+            reference_optimizer.step()
+        got, expected = model.module.state_dict(), reference.state_dict()
+        assert isinstance(model.module[1], torch.nn.SyncBatchNorm)
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name].cpu(), value.cpu(), msg=lambda m: f"{mode}: {name}: {m}")
+    dist.destroy_process_group()
+
+
 def ddp_training(rank: int, world: int, modes: tuple[str, ...], steps: int = 10, per_rank: int = 4) -> None:
     """DDP over tpu_dist, each rank training on its part of every batch, equals one process
     training the same model on `tpu` on the whole batches (same lowerings and matmul precision,

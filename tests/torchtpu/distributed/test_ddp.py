@@ -18,3 +18,8 @@ pytestmark = pytest.mark.slow
 
 def test_ddp_matches_single_process_training_in_strict_and_defer_modes():
     run_ranks(workers.ddp_training, 2, ("strict", "defer"), layout="host_per_rank")
+
+
+def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch():
+    """`nn.SyncBatchNorm` over two ranks equals `nn.BatchNorm1d` on the concatenated batch."""
+    run_ranks(workers.sync_batch_norm_training, 2, ("strict", "defer"), layout="host_per_rank")

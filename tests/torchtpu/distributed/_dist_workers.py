@@ -775,6 +775,23 @@ def _batch_norm_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def _train_beside_one_process(rank: int, world: int, model: torch.nn.Module, reference: torch.nn.Module,
+                              steps: int, per_rank: int) -> None:
+    """SGD on `model` (DDP) with this rank's part of every batch, and on `reference` with the
+    whole batches, on this rank's tpu device."""
+    device = torch.device("tpu", 0)  # host_per_rank layout: each rank's one device
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _batches(world, steps, per_rank):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
+        reference_optimizer.step()
+
+
 def sync_batch_norm_training(rank: int, world: int, modes: tuple[str, ...], steps: int = 5,
                              per_rank: int = 4) -> None:
     """`convert_sync_batchnorm` under DDP over tpu_dist, each rank on its part of every batch,
@@ -782,22 +799,12 @@ def sync_batch_norm_training(rank: int, world: int, modes: tuple[str, ...], step
     weights, and the running statistics the synchronised norm keeps (its statistics ops are
     torchtpu's compositions, `torchtpu/ops/sync_batch_norm.py`)."""
     _init()
-    device = torch.device("tpu", 0)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
     for mode in modes:
         torchtpu.set_eager_mode(mode)
-        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(_batch_norm_model()).to(device)
+        synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(_batch_norm_model()).to("tpu:0")
         model = torch.nn.parallel.DistributedDataParallel(synced)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        reference = _batch_norm_model().to(device)
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for x, y in _batches(world, steps, per_rank):
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
-            optimizer.step()
-            reference_optimizer.zero_grad()
-            torch.nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
-            reference_optimizer.step()
+        reference = _batch_norm_model().to("tpu:0")
+        _train_beside_one_process(rank, world, model, reference, steps, per_rank)
         got, expected = model.module.state_dict(), reference.state_dict()
         assert isinstance(model.module[1], torch.nn.SyncBatchNorm)
         for name, value in expected.items():
@@ -810,21 +817,11 @@ def ddp_training(rank: int, world: int, modes: tuple[str, ...], steps: int = 10,
     training the same model on `tpu` on the whole batches (same lowerings and matmul precision,
     so what differs is only what DDP and the backend do), in each eager mode."""
     _init()
-    device = torch.device("tpu", 0)  # host_per_rank layout: each rank's one device
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
     for mode in modes:
         torchtpu.set_eager_mode(mode)
-        model = torch.nn.parallel.DistributedDataParallel(_model().to(device))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        reference = _model().to(device)
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for x, y in _batches(world, steps, per_rank):
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
-            optimizer.step()
-            reference_optimizer.zero_grad()
-            torch.nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
-            reference_optimizer.step()
+        model = torch.nn.parallel.DistributedDataParallel(_model().to("tpu:0"))
+        reference = _model().to("tpu:0")
+        _train_beside_one_process(rank, world, model, reference, steps, per_rank)
         initial = _model().state_dict()
         for (name, p), q in zip(model.module.named_parameters(), reference.parameters(), strict=True):
             assert not torch.equal(p.detach().cpu(), initial[name]), f"{mode}: {name} did not train"

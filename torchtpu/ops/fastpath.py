@@ -45,10 +45,11 @@ def native_multi_head_attention(
     qkv_weight: torch.Tensor, qkv_bias: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor,
     mask: torch.Tensor | None = None, need_weights: bool = True, average_attn_weights: bool = True,
     mask_type: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Batch-first multi-head attention with packed input projections, under `mask` (`_masked`;
     a fully blocked row is NaN, as PyTorch's). The weights are averaged over
-    heads unless `average_attn_weights` is False, and empty without `need_weights`."""
+    heads unless `average_attn_weights` is False, and None (PyTorch's undefined tensor) without
+    `need_weights`."""
     batch, length, _ = query.shape
     head_dim = embed_dim // num_head
     weights = qkv_weight.chunk(3)
@@ -64,7 +65,7 @@ def native_multi_head_attention(
     attention = scores.softmax(-1)
     output = F.linear((attention @ v).transpose(1, 2).reshape(batch, length, embed_dim), proj_weight, proj_bias)
     if not need_weights:
-        return output, query.new_empty(0)
+        return output, None
     return output, attention.mean(1) if average_attn_weights else attention
 
 

@@ -58,6 +58,8 @@ def test_native_multi_head_attention(mask, need_weights, average):
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE)
     if need_weights:
         torch.testing.assert_close(attention.cpu(), expected_attention, **TOLERANCE)
+    else:
+        assert attention is None and expected_attention is None
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -77,16 +77,21 @@ def batch_norm_elemt(input: torch.Tensor, weight: torch.Tensor | None, bias: tor
 def batch_norm_backward_reduce(
     grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
     weight: torch.Tensor | None, input_g: bool, weight_g: bool, bias_g: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per channel: `sum(dy)`, `sum(dy * (x - mean))`, the weight's gradient `sum(dy * (x -
-    mean)) * invstd` and the bias's `sum(dy)` (each computed whichever flags are set: SyncBatchNorm
-    discards what it did not ask for)."""
+) -> tuple[torch.Tensor | None, ...]:
+    """Per channel: `sum(dy)` and `sum(dy * (x - mean))` (for the input's gradient, `input_g`), the
+    weight's gradient `sum(dy * (x - mean)) * invstd` (`weight_g`) and the bias's `sum(dy)`
+    (`bias_g`); None, PyTorch's undefined tensor, for what is not asked for."""
     dims = _reduced(input)
     dy, x = grad_out.to(mean.dtype), input.to(mean.dtype)
     sum_dy = dy.sum(dims)
     sum_dy_xmu = (dy * (x - _per_channel(mean, x))).sum(dims)
     parameter_dtype = weight.dtype if weight is not None else input.dtype
-    return sum_dy, sum_dy_xmu, (sum_dy_xmu * invstd).to(parameter_dtype), sum_dy.to(parameter_dtype)
+    return (
+        sum_dy if input_g else None,
+        sum_dy_xmu if input_g else None,
+        (sum_dy_xmu * invstd).to(parameter_dtype) if weight_g else None,
+        sum_dy.to(parameter_dtype) if bias_g else None,
+    )
 
 
 def batch_norm_backward_elemt(

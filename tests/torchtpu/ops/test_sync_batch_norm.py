@@ -59,3 +59,6 @@ def test_two_halves_combine_to_the_whole_batch(shape):
     grad_input = torch.cat([torch.batch_norm_backward_elemt(gh, h, mean, invstd, wt, sum_dy, sum_dy_xmu, count)
                             for gh, h in zip(grad_halves, halves)])
     torch.testing.assert_close(grad_input.cpu().double(), x_grad.grad, **TOLERANCE)
+    # What is not asked for is not computed (None, PyTorch's undefined tensor).
+    assert torch.batch_norm_backward_reduce(grad_halves[0], halves[0], mean, invstd, wt, True, False, False)[2:] == (
+        None, None)

@@ -158,6 +158,29 @@ def standard_gamma(ctx, alpha, generator=None):
     return jnp.maximum(sample, jnp.finfo(dtype).tiny)
 
 
+def _like_first(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Output metadata of the samplers PyTorch has no meta kernel for: the first argument's."""
+    return torch.empty_like(x)
+
+
+@registry.register(aten._standard_gamma_grad.default, meta=_like_first)
+def standard_gamma_grad(ctx, alpha, sample):
+    """The derivative of a Gamma(alpha, 1) sample with respect to alpha, holding its quantile
+    (implicit reparameterization: `Gamma.rsample`'s backward). Not random itself."""
+    dtype = _sampling_dtype(ctx)
+    return lax.random_gamma_grad(alpha.astype(dtype), sample.astype(dtype))
+
+
+@registry.register(aten._sample_dirichlet.default, random=True, meta=_like_first)
+def sample_dirichlet(ctx, alpha, generator=None):
+    """Dirichlet(alpha) over the last dimension (`Dirichlet` and `Beta` sample with it): Gamma
+    draws normalized, each at least the smallest normal number, as ATen's."""
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    gammas = jnp.maximum(jax.random.gamma(ctx.rng_key(), alpha.astype(dtype), dtype=dtype), jnp.finfo(dtype).tiny)
+    return gammas / gammas.sum(-1, keepdims=True)
+
+
 # --- discrete distributions ---------------------------------------------------------------------
 
 
@@ -176,6 +199,19 @@ def bernoulli(ctx, x, p=None, *, generator=None):
     p = x if p is None else p
     dtype = np.dtype(np.float64) if ctx.out_dtype() == np.float64 else np.dtype(np.float32)
     return jax.random.uniform(ctx.rng_key(), ctx.out_shape(), dtype) < jnp.asarray(p).astype(dtype)
+
+
+def _binomial_meta(count: torch.Tensor, prob: torch.Tensor, generator=None) -> torch.Tensor:
+    return torch.empty(torch.broadcast_shapes(count.shape, prob.shape), dtype=count.dtype, device="meta")
+
+
+@registry.register(aten.binomial.default, random=True, meta=_binomial_meta)
+def binomial(ctx, count, prob, generator=None):
+    """Successes in `count` trials of probability `prob` (`Binomial.sample`), elementwise."""
+    _check_generator(ctx, generator)
+    dtype = _sampling_dtype(ctx)
+    count, prob = jnp.broadcast_arrays(count.astype(dtype), prob.astype(dtype))
+    return jax.random.binomial(ctx.rng_key(), count, prob, count.shape, dtype)
 
 
 @registry.register(aten.poisson.default, random=True)

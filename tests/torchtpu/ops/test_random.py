@@ -51,6 +51,11 @@ CONTINUOUS = {
     "log_normal_": (lambda: _empty().log_normal_(0.5, 0.25), stats.lognorm(s=0.25, scale=math.exp(0.5))),
     "standard_gamma": (lambda: torch._standard_gamma(torch.full((N,), 2.5, device="tpu")), stats.gamma(2.5)),
     "standard_gamma_small": (lambda: torch._standard_gamma(torch.full((N,), 0.3, device="tpu")), stats.gamma(0.3)),
+    # Dirichlet(1, 2, 3)'s first coordinate is Beta(1, 5); `Beta` samples through `_sample_dirichlet`.
+    "sample_dirichlet_marginal": (lambda: torch._sample_dirichlet(torch.tensor([1.0, 2.0, 3.0], device="tpu")
+                                                                  .expand(N, 3).contiguous())[:, 0], stats.beta(1, 5)),
+    "beta": (lambda: torch.distributions.Beta(torch.full((N,), 2.0, device="tpu"), torch.full((N,), 3.0, device="tpu"))
+             .sample(), stats.beta(2, 3)),
 }
 
 
@@ -60,6 +65,32 @@ def test_continuous_distribution(name):
     samples = _host(draw())
     assert np.isfinite(samples).all()
     assert stats.kstest(samples, reference.cdf).pvalue > P_MIN
+
+
+def test_dirichlet_samples_lie_on_the_simplex():
+    samples = torch._sample_dirichlet(torch.tensor([[0.2, 1.0, 5.0], [3.0, 3.0, 3.0]], device="tpu").repeat(500, 1))
+    host = samples.cpu()
+    assert (host > 0).all()
+    torch.testing.assert_close(host.sum(-1), torch.ones(1000))
+
+
+def test_standard_gamma_grad_against_its_definition():
+    """`Gamma.rsample`'s backward: d sample / d alpha at a fixed quantile, -dF/dalpha / pdf, with
+    SciPy's regularized incomplete gamma function in float64 (PyTorch's CPU approximation is off
+    by up to ~3e-4 relative here; the definition is the reference)."""
+    from scipy import special
+
+    alpha = np.repeat([0.3, 0.5, 2.0, 7.0, 40.0], 200)
+    sample = stats.gamma(alpha).rvs(random_state=np.random.default_rng(0))
+    h = 1e-6
+    expected = -(special.gammainc(alpha + h, sample) - special.gammainc(alpha - h, sample)) / (2 * h)
+    expected /= stats.gamma(alpha).pdf(sample)
+    got = torch._standard_gamma_grad(torch.tensor(alpha, dtype=torch.float32, device="tpu"),
+                                     torch.tensor(sample, dtype=torch.float32, device="tpu")).cpu().double().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    alpha = torch.tensor(2.0, device="tpu", requires_grad=True)
+    torch.distributions.Gamma(alpha, torch.tensor(1.0, device="tpu")).rsample((8,)).sum().backward()
+    assert torch.isfinite(alpha.grad).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -112,6 +143,8 @@ DISCRETE = {
     "bernoulli_tensor": (lambda: torch.bernoulli(torch.full((N,), 0.3, device="tpu")), {0: 0.7, 1: 0.3}),
     "bernoulli_inplace_tensor_p": (lambda: _empty().bernoulli_(torch.tensor(0.2, device="tpu")), {0: 0.8, 1: 0.2}),
     "bernoulli_p": (lambda: torch.ops.aten.bernoulli.p(_empty(), 0.6), {0: 0.4, 1: 0.6}),
+    "binomial": (lambda: torch.binomial(torch.full((N,), 10.0, device="tpu"), torch.full((N,), 0.3, device="tpu")),
+                 {k: stats.binom(10, 0.3).pmf(k) for k in range(11)}),
     "random_to": (lambda: _empty().random_(10), {k: 0.1 for k in range(10)}),
     "random_from_to": (lambda: _empty(dtype=torch.int32).random_(-3, 4), {k: 1 / 7 for k in range(-3, 4)}),
     "randint": (lambda: torch.randint(3, 7, (N,), device="tpu"), {k: 0.25 for k in range(3, 7)}),

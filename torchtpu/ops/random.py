@@ -149,13 +149,17 @@ def geometric(ctx, x, p, *, generator=None):
     return jnp.ceil(jnp.log(u) / jnp.log1p(-_param(p, dtype)))
 
 
-@registry.register(aten._standard_gamma.default, random=True)
-def standard_gamma(ctx, alpha, generator=None):
-    """Gamma(alpha, 1); like ATen, samples never underflow below the smallest normal number."""
-    _check_generator(ctx, generator)
-    dtype = _sampling_dtype(ctx)
+def _gamma_draws(ctx, alpha, dtype):
+    """Gamma(alpha, 1) draws in `dtype`; like ATen's, never below the smallest normal number."""
     sample = jax.random.gamma(ctx.rng_key(), alpha.astype(dtype), dtype=dtype)
     return jnp.maximum(sample, jnp.finfo(dtype).tiny)
+
+
+@registry.register(aten._standard_gamma.default, random=True)
+def standard_gamma(ctx, alpha, generator=None):
+    """Gamma(alpha, 1)."""
+    _check_generator(ctx, generator)
+    return _gamma_draws(ctx, alpha, _sampling_dtype(ctx))
 
 
 def _like_first(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -174,10 +178,9 @@ def standard_gamma_grad(ctx, alpha, sample):
 @registry.register(aten._sample_dirichlet.default, random=True, meta=_like_first)
 def sample_dirichlet(ctx, alpha, generator=None):
     """Dirichlet(alpha) over the last dimension (`Dirichlet` and `Beta` sample with it): Gamma
-    draws normalized, each at least the smallest normal number, as ATen's."""
+    draws normalized, as ATen's."""
     _check_generator(ctx, generator)
-    dtype = _sampling_dtype(ctx)
-    gammas = jnp.maximum(jax.random.gamma(ctx.rng_key(), alpha.astype(dtype), dtype=dtype), jnp.finfo(dtype).tiny)
+    gammas = _gamma_draws(ctx, alpha, _sampling_dtype(ctx))
     return gammas / gammas.sum(-1, keepdims=True)
 
 

@@ -5,9 +5,9 @@ device alike, to fused kernels of their own: `_native_multi_head_attention`,
 `_transformer_encoder_layer_fwd` and, for a padding mask, a nested tensor built from the padded
 input. Those kernels exist for CPU and CUDA only, so on tpu they took the CPU fallback, and the
 encoder with a padding mask failed outright (nested tensors have no tpu form). Here each fused
-op is the composition of the modules' own steps -- projections, scaled dot products, softmax,
-layer norms, the feed-forward block -- in ATen ops that have lowerings, so they run (and fuse)
-on the device; and the encoder's question whether a padding mask can become a nested tensor
+op is what the modules run outside the fast path -- attention is PyTorch's own
+`F.multi_head_attention_forward`, the encoder layer its layer norms, attention and feed-forward
+block -- in ATen ops that have lowerings, so they run (and fuse) on the device; and the encoder's question whether a padding mask can become a nested tensor
 (`_nested_tensor_from_mask_left_aligned`) is answered no, which keeps its input padded. Results
 equal the modules' training-mode path; at padded positions the encoder's output holds the
 layer's values there, as PyTorch's padded path gives (its nested path writes zeros).
@@ -15,7 +15,6 @@ layer's values there, as PyTorch's padded path gives (its nested path writes zer
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -27,46 +26,32 @@ aten = torch.ops.aten
 _KEY_PADDING, _MERGED = 1, 2  # `MultiheadAttention.merge_masks`' mask types; 0 is an [L, S] attention mask
 
 
-def _masked(scores: torch.Tensor, mask: torch.Tensor, mask_type: int | None) -> torch.Tensor:
-    """`scores` `[batch, heads, L, S]` under `mask`: a boolean mask blocks where it is True, any
-    other is added (the encoder hands its layers masks made additive, -inf where blocked)."""
-    batch, _, length, source_length = scores.shape
-    if mask_type == _KEY_PADDING:
-        mask = mask.view(batch, 1, 1, source_length)
-    elif mask_type == _MERGED:
-        mask = mask.view(batch, -1, length, source_length)
-    else:
-        mask = mask.view(1, 1, length, source_length)
-    return scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-
-
 def native_multi_head_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim: int, num_head: int,
     qkv_weight: torch.Tensor, qkv_bias: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor,
     mask: torch.Tensor | None = None, need_weights: bool = True, average_attn_weights: bool = True,
     mask_type: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Batch-first multi-head attention with packed input projections, under `mask` (`_masked`;
-    a fully blocked row is NaN, as PyTorch's). The weights are averaged over
-    heads unless `average_attn_weights` is False, and None (PyTorch's undefined tensor) without
+    """Batch-first multi-head attention with packed input projections: PyTorch's own
+    `F.multi_head_attention_forward` (the module's path outside the fast path), given the mask
+    as the kind `mask_type` names. The weights are None (PyTorch's undefined tensor) without
     `need_weights`."""
     batch, length, _ = query.shape
-    head_dim = embed_dim // num_head
-    weights = qkv_weight.chunk(3)
-    biases = qkv_bias.chunk(3)
-
-    def heads(x: torch.Tensor, i: int) -> torch.Tensor:
-        return F.linear(x, weights[i], biases[i]).view(batch, -1, num_head, head_dim).transpose(1, 2)
-
-    q, k, v = heads(query, 0), heads(key, 1), heads(value, 2)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
-    if mask is not None:
-        scores = _masked(scores, mask, mask_type)
-    attention = scores.softmax(-1)
-    output = F.linear((attention @ v).transpose(1, 2).reshape(batch, length, embed_dim), proj_weight, proj_bias)
-    if not need_weights:
-        return output, None
-    return output, attention.mean(1) if average_attn_weights else attention
+    key_padding_mask = attn_mask = None
+    if mask is not None and mask_type == _KEY_PADDING:
+        key_padding_mask = mask.view(batch, key.shape[1])
+    elif mask is not None and mask_type == _MERGED:
+        # [batch, 1 or heads, L, S] -> the [batch * heads, L, S] that F's 3-d masks are.
+        attn_mask = mask.view(batch, -1, length, key.shape[1]).expand(batch, num_head, -1, -1).reshape(
+            batch * num_head, length, key.shape[1])
+    elif mask is not None:
+        attn_mask = mask.view(length, key.shape[1])
+    output, weights = F.multi_head_attention_forward(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), embed_dim, num_head,
+        qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight, proj_bias, training=False,
+        key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights)
+    return output.transpose(0, 1), weights
 
 
 def transformer_encoder_layer_fwd(

@@ -312,3 +312,46 @@ def test_compiled_optimizer_step_writes_parameters_in_its_program():
     state = optimizers[1].state[next(model.parameters())]
     assert state["step"].device.type == "cpu" and state["step"].item() == 3
     assert "aten.copy_.default" not in torchtpu.metrics().get("eager_programs_by_op", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_multiply_adds_that_dynamo_fuses_run_in_the_program(dtype):
+    """Dynamo writes `addcmul_` / `addcdiv_` with a value and `add_` with a tensor alpha as
+    Inductor's `prims.fma` (AdamW's single-tensor step holds one): lowered, so the graph is not
+    split and the values are PyTorch's on CPU (in bfloat16 within the roundings of the graph's
+    stored steps: it rounds `addcmul_`'s product, where eager mode's one kernel does not)."""
+
+    def fn(x, t1, t2, alpha):
+        x.addcmul_(t1, t2, value=0.3)
+        x.addcdiv_(t1, t2.abs() + 1, value=-0.7)
+        return x.add_(t2, alpha=alpha)
+
+    g = torch.Generator().manual_seed(0)
+    x, t1, t2 = (torch.randn(5, 7, generator=g).to(dtype) for _ in range(3))
+    alpha = torch.tensor(0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        out = torch.compile(fn, backend="tpu")(*(t.to("tpu") for t in (x, t1, t2, alpha)))
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    expected = fn(x.float(), t1.float(), t2.float(), alpha).to(dtype)
+    torch.testing.assert_close(out.cpu(), expected, **tolerance)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
+def test_compiled_single_tensor_adamw_step_is_one_program():
+    """AdamW without foreach, compiled: its `addcmul_` becomes `prims.fma` in the graph (above)."""
+    reference = _mlp()
+    model = copy.deepcopy(reference).to("tpu")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (reference, model)]
+    step = torch.compile(optimizers[1].step, backend="tpu")
+    with torch.tpu.precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+            for m, opt, run, device in zip((reference, model), optimizers, (optimizers[0].step, step), ("cpu", "tpu")):
+                opt.zero_grad()
+                F.cross_entropy(m(x.to(device)), y.to(device)).backward()
+                run()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name].cpu(), value, rtol=1e-4, atol=1e-5)
+    assert "compiled_graphs_split" not in torchtpu.metrics()

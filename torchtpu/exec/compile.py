@@ -34,7 +34,7 @@ from torchtpu import counters, precision, random as tpu_random, runtime
 from torchtpu.exec import bucketing, fast_dispatch, opcall, split
 from torchtpu.exec import graph as fx_graph
 from torchtpu.exec.opcall import HostRef, NewTensor, Program, TensorRef
-from torchtpu.ops import decomps
+from torchtpu.ops import decomps, dynamo_prims  # noqa: F401  (the prims Dynamo writes into graphs)
 
 _graph_ids = itertools.count()
 

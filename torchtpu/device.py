@@ -52,8 +52,13 @@ def is_initialized() -> bool:
     return runtime.is_started()
 
 
-def _lazy_init() -> None:
+def init() -> None:
+    """Start the device runtime now (as `torch.cuda.init`): it otherwise starts with the first
+    tpu tensor. Calling it again does nothing."""
     runtime.runtime()
+
+
+_lazy_init = init
 
 
 def device_count() -> int:

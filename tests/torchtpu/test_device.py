@@ -216,6 +216,30 @@ def test_memory_summary_sizes_read_exactly_and_in_a_binary_unit():
     assert _bytes(3 << 40) == "3,298,534,883,328 B (3.0 TiB)"
 
 
+def test_torch_accelerator_device_capability_is_the_dtypes_a_tpu_tensor_may_have():
+    from torchtpu import dtypes
+
+    supported = torch.accelerator.get_device_capability("tpu:0")["supported_dtypes"]
+    assert supported == set(dtypes.SUPPORTED)
+    for dtype in supported:  # each of them makes a tpu tensor, as the capability promises
+        assert torch.zeros(2, dtype=dtype).to("tpu:0").cpu().dtype == dtype
+    with pytest.raises(TypeError, match="not supported on the tpu device"):
+        torch.zeros(2, dtype=torch.uint16).to("tpu:0")
+
+
+def test_torch_tpu_init_starts_the_runtime_as_torch_cuda_init(tmp_path):
+    result = _run("""
+        import torch
+        import torchtpu
+        before = torch.tpu.is_initialized()
+        torch.tpu.init()
+        torch.tpu.init()
+        print(before, torch.tpu.is_initialized())
+    """, env={"TORCHTPU_LOCK_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
 def test_torch_accelerator_empty_cache_is_torch_tpus():
     from torchtpu.distributed.host_transport import ReceiveBuffers
 

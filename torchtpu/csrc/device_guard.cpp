@@ -173,6 +173,17 @@ struct TpuGuard final : public c10::impl::DeviceGuardImplInterface {
       callbacks->destroy_event(event_id(event));
     }
   }
+  // `torch.accelerator.get_device_capability("tpu")`: the dtypes a tpu tensor may have
+  // (torchtpu/dtypes.py's SUPPORTED; a test keeps the two lists alike).
+  c10::DeviceCapability getDeviceCapability(c10::Device device) const override {
+    c10::DeviceCapability capability;
+    capability.capability_data.capability_bits = 0;
+    auto& types = capability.capability_data.supported_scalar_types;
+    types.has_Float = types.has_Double = types.has_Half = types.has_BFloat16 = 1;
+    types.has_Char = types.has_Short = types.has_Int = types.has_Long = types.has_Byte = types.has_Bool = 1;
+    types.has_ComplexFloat = types.has_ComplexDouble = 1;
+    return capability;
+  }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex device_index) const override {
     TORCH_CHECK(start != nullptr && end != nullptr, "both events must be recorded before elapsed_time");
     double milliseconds = 0;

@@ -167,6 +167,43 @@ def diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
     return views.scatter_into_view(partial(views.diagonal, offset=offset, dim1=dim1, dim2=dim2), x, src)
 
 
+@registry.register(aten.as_strided_scatter.default)
+def as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
+    """`x` with `src` written where `as_strided(size, stride, storage_offset)` reads in a copy of
+    `x`: PyTorch's kernel, which copies `x` keeping its strides (a contiguous copy where a stride
+    0 makes `x` overlap itself). A compiled graph holds this op where the model writes into an
+    `as_strided` view, and `x` is then the view's base, its whole storage. Positions count from
+    `x`'s first element; for a view into a larger storage, PyTorch's kernel counts from the
+    storage's, which lies outside `x`'s value. A view that reads an element twice raises: where
+    two writes land is PyTorch's iteration order, which a scatter does not keep."""
+    meta = ctx.arg("self")
+    if any(n > 1 and s == 0 for n, s in zip(meta.shape, meta.stride())):
+        strides, base = torch.empty(meta.shape, device="meta").stride(), 0
+    else:
+        strides, base = meta.stride(), meta.storage_offset()
+    written = _storage_positions(size, stride, base if storage_offset is None else storage_offset).reshape(-1)
+    if np.unique(written).size < written.size:
+        raise ValueError(
+            f"as_strided_scatter: the view of size {tuple(size)} and stride {tuple(stride)} refers to some "
+            f"storage elements more than once; clone() its result before writing into it")
+    order = np.argsort(written, kind="stable")
+    positions = _storage_positions(meta.shape, strides, base)
+    at = np.minimum(np.searchsorted(written[order], positions), max(written.size - 1, 0))
+    found = written.size > 0 and (written[order][at] == positions)
+    if not np.any(found):
+        return x
+    source = jnp.asarray(src, x.dtype).reshape(-1)[np.where(found, order[at], 0)]
+    return jnp.where(found, source, x)
+
+
+def _storage_positions(sizes, strides, offset: int) -> np.ndarray:
+    """The storage element each element of a tensor of `sizes`, `strides` and `offset` reads."""
+    positions = np.full(tuple(sizes), offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(sizes, strides)):
+        positions += np.arange(n, dtype=np.int64).reshape([-1 if i == d else 1 for i in range(len(sizes))]) * s
+    return positions
+
+
 @registry.register(aten.select_backward.default)
 def select_backward(ctx, grad_output, input_sizes, dim, index):
     view = partial(views.select, dim=dim, index=index)

@@ -11,6 +11,8 @@ the module name `test_views`.)
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-import torchtpu  # noqa: F401
+import torchtpu
 from torchtpu.ops import registry
 from torchtpu.ops.schema import signature
 
@@ -154,6 +156,8 @@ SCATTERS = {
     "slice_whole": (lambda x, s: torch.slice_scatter(x, s), torch.randn(3, 4, 5)),
     "diagonal": (lambda x, s: torch.diagonal_scatter(x, s, 1, 1, 2), torch.randn(3, 4)),
     "diagonal_negative": (lambda x, s: torch.diagonal_scatter(x, s, -1, 2, 0), torch.randn(4, 3)),
+    "as_strided": (lambda x, s: torch.as_strided_scatter(x, s, (3, 4), (10, 2), 1), torch.randn(3, 4)),
+    "as_strided_no_offset": (lambda x, s: torch.as_strided_scatter(x, s, (2, 5), (1, 12)), torch.randn(2, 5)),
 }
 
 
@@ -166,6 +170,35 @@ def test_scatter_into_view(name):
 
 def test_select_scatter_bool():
     same_as_cpu(lambda x, s: torch.select_scatter(x, s, 0, 1), X > 0, torch.ones(4, 5, dtype=torch.bool))
+
+
+def test_as_strided_scatter_follows_the_input_layout_as_pytorchs_kernel():
+    """PyTorch's kernel writes into a copy of the input that keeps its strides (a contiguous
+    copy of an input that overlaps itself); a view that reads an element twice is refused."""
+    scatter = torch.as_strided_scatter
+    same_as_cpu(lambda x, s: scatter(x, s, (2, 3), (1, 2), 2), torch.arange(12.0).view(3, 4).t(), -torch.ones(2, 3))
+    same_as_cpu(lambda x, s: scatter(x, s, (2,), (2,)), torch.arange(3).expand(2, 3), torch.tensor([-1, -2]))
+    same_as_cpu(lambda x, s: scatter(x, s, (2,), (2,), 1), torch.ones(4, dtype=torch.bool), torch.zeros(2, dtype=torch.bool))
+    same_as_cpu(lambda x, s: scatter(x, s, (0, 3), (1, 1)), torch.arange(4.0), torch.empty(0, 3))
+    with pytest.raises(ValueError, match="refers to some storage elements more than once"):
+        scatter(torch.arange(6.0).to("tpu"), torch.ones(2, 2).to("tpu"), (2, 2), (1, 1))
+
+
+def test_writes_into_an_as_strided_view_compile_into_the_program():
+    """Functionalization turns a write into an `as_strided` view into `as_strided_scatter`: it
+    runs inside the compiled program (it split the graph)."""
+
+    def fn(x):
+        y = x.clone()
+        y.as_strided((2, 2), (1, 3), 1).mul_(2)
+        return y
+
+    x = torch.randn(12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        out = torch.compile(fn, backend="tpu")(x.to("tpu"))
+    torch.testing.assert_close(out.cpu(), fn(x), rtol=0, atol=0)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
 
 
 VIEW_GRADS = {

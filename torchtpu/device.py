@@ -52,6 +52,15 @@ def is_initialized() -> bool:
     return runtime.is_started()
 
 
+def __getattr__(name: str):
+    """`torch.tpu._initialized`, which PyTorch reads as `torch.cuda`'s module global: whether the
+    runtime has started (`torch.utils.checkpoint` saves and restores the device's RNG state for
+    recomputation only then; without it, dropout drew new masks in the recomputed forward)."""
+    if name == "_initialized":
+        return runtime.is_started()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def init() -> None:
     """Start the device runtime now (as `torch.cuda.init`): it otherwise starts with the first
     tpu tensor. Calling it again does nothing."""

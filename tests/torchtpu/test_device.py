@@ -277,6 +277,30 @@ def test_rng_state_roundtrip_and_seeding():
     assert not torch.equal(a, c)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_recomputes_with_the_forwards_random_draws(reentrant):
+    """`torch.utils.checkpoint` restores the device's RNG state before recomputing the forward
+    once `torch.tpu._initialized` says the runtime has started (it had no such attribute, and
+    the recomputed dropout drew a new mask): the gradients are those of the plain forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)).to("tpu")
+    x = torch.randn(4, 8).to("tpu").requires_grad_()  # the reentrant form needs an input that does
+
+    def gradients(run):
+        torch.tpu.manual_seed(3)
+        model.zero_grad()
+        x.grad = None
+        run(x).sum().backward()
+        return [x.grad.cpu()] + [p.grad.cpu() for p in model.parameters()]
+
+    plain = gradients(model)
+    checkpointed = gradients(lambda x: checkpoint(model, x, use_reentrant=reentrant))
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_roundtrip_every_dtype(dtype):
     x = (torch.arange(24).reshape(4, 6) % 7).to(dtype)

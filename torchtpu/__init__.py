@@ -29,6 +29,9 @@ from torchtpu import kernels  # noqa: E402,F401  (torchtpu.kernels.jax_kernel)
 _serialization.register()
 
 from torchtpu import distributed as _distributed  # noqa: E402,F401  (registers tpu_dist)
+from torchtpu import inductor as _inductor  # noqa: E402
+
+_inductor.install()  # torch.compile's default backend on tpu tensors: a clear error
 
 from torchtpu.bounds import Buckets, bounded  # noqa: E402
 

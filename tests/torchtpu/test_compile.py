@@ -355,3 +355,15 @@ def test_compiled_single_tensor_adamw_step_is_one_program():
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name].cpu(), value, rtol=1e-4, atol=1e-5)
     assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
+def test_the_default_backend_says_to_compile_with_backend_tpu():
+    """Inductor's code generation for "tpu" is Google's torch_tpu Pallas one: on torchtpu's
+    device it failed with "No module named 'torch_tpu'". torchtpu registers Inductor code
+    generation for tpu that refuses the graph naming `backend="tpu"`; Inductor on CPU tensors in
+    the same process is untouched."""
+    model = _mlp()
+    with pytest.raises(Exception, match='InductorOnTpuError: .* compile with torch.compile\\(model, backend="tpu"\\)'):
+        torch.compile(copy.deepcopy(model).to("tpu"))(torch.randn(6, 8).to("tpu"))
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(torch.compile(model)(x), model(x))

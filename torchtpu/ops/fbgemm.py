@@ -7,8 +7,10 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
-  host from the small offset and permutation lists), the cumulative sums of offsets, the
-  positions within segments (`offsets_range`), the sums of segments (`segment_sum_csr`) and,
+  host from the small offset and permutation lists), the regroupings of KeyedTensors
+  (`permute_multi_embedding`: slices and concatenations) and row selections (`group_index_select_dim0`),
+  the cumulative sums of offsets, the positions within segments (`offsets_range`), the sums of
+  segments (`segment_sum_csr`), inverse permutations and,
   under FBGEMM's own autograd, the jagged <-> padded dense conversions, the selection of
   segments (`jagged_index_select`) and their adjoints (row gathers and scatters of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
@@ -44,6 +46,7 @@ PERMUTE_POOLED = (
 HOST_STAGED = (
     "permute_1D_sparse_data",
     "permute_2D_sparse_data",
+    "permute_2D_sparse_data_input1D",  # TorchRec's KJT permute under torch.compile
     "block_bucketize_sparse_features",
     "expand_into_jagged_permute",
 )
@@ -66,6 +69,74 @@ def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor
     FBGEMM's backward uses are implied)."""
     index = _column_index(offset_dim_list, permute_list).to(pooled_embs.device)
     return pooled_embs.index_select(1, index)
+
+
+def group_index_select_dim0(input_group: list[torch.Tensor], indices_group: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each input's rows at its indices: TorchRec's EmbeddingBagCollection expands deduplicated
+    pooled embeddings with it (`inverse_indices`). `index_select`s, so autograd differentiates
+    them."""
+    if len(input_group) != len(indices_group):
+        raise ValueError(f"fbgemm.group_index_select_dim0: {len(input_group)} inputs and {len(indices_group)} "
+                         f"index tensors; expected one index tensor per input")
+    return [x.index_select(0, index) for x, index in zip(input_group, indices_group)]
+
+
+def kt_regroup_arguments(embs: torch.Tensor, keys: list[list[str]], lengths: list[list[int]],
+                         groups: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """FBGEMM's plan for regrouping KeyedTensors' columns (`permute_multi_embedding`'s arguments),
+    made by its CPU kernel from the keys and lengths alone (`embs` gives only the device) and put
+    on `embs`' device."""
+    host = torch.ops.fbgemm.kt_regroup_arguments(torch.empty(0, dtype=embs.dtype), keys, lengths, groups)
+    permutes, in_shapes, out_shapes, out_lengths = host
+    return permutes.to(embs.device), in_shapes.to(embs.device), out_shapes.to(embs.device), out_lengths
+
+
+def _regroup_plan(permutes: torch.Tensor, outputs: int) -> list[list[tuple[int, int, int]]]:
+    """Per output tensor, its pieces in column order as (input tensor, first column, columns),
+    from FBGEMM's `permutes` rows [input, output, input start, output start, length, jump]. Read
+    to the host once per permutes tensor and version (kept on the tensor; counted as
+    `fbgemm_regroup_plans_read`): `KTRegroupAsDict` keeps one on the device and passes it every
+    step."""
+    cached = getattr(permutes, "_torchtpu_regroup_plan", None)
+    if cached is not None and cached[0] == permutes._version:
+        return cached[1]
+    counters.count("fbgemm_regroup_plans_read")
+    rows = sorted(permutes.cpu().tolist(), key=lambda row: (row[1], row[3]))
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(outputs)]
+    for source, output, source_start, _, length, _ in rows:
+        plan[output].append((source, source_start, length))
+    permutes._torchtpu_regroup_plan = (permutes._version, plan)
+    return plan
+
+
+def permute_multi_embedding(pooled_embs: list[torch.Tensor], permutes: torch.Tensor, in_shapes: torch.Tensor,
+                            out_shapes: torch.Tensor, out_lengths: list[int]) -> list[torch.Tensor]:
+    """KeyedTensors' columns regrouped (TorchRec's `KTRegroupAsDict`, `regroup_kts`): each output
+    the concatenation of the input column ranges `permutes` assigns it, in order. Slices and
+    concatenations, so autograd differentiates them (a key in two groups gets both gradients)."""
+    plan = _regroup_plan(permutes, len(out_lengths))
+    batch = pooled_embs[0].shape[0] if pooled_embs else 0
+    outs = []
+    for output, (pieces, length) in enumerate(zip(plan, out_lengths)):
+        columns = [pooled_embs[source][:, start:start + n] for source, start, n in pieces]
+        if sum(n for _, _, n in pieces) != length:
+            raise ValueError(f"fbgemm.permute_multi_embedding: output {output} is given "
+                             f"{sum(n for _, _, n in pieces)} columns by permutes, but out_lengths says {length}")
+        outs.append(torch.cat(columns, 1) if columns else pooled_embs[0].new_empty((batch, 0)))
+    return outs
+
+
+def regroup_keyed_tensor(values: list[torch.Tensor], keys: list[list[str]], lengths: list[list[int]],
+                         groups: list[list[str]]) -> list[torch.Tensor]:
+    """`permute_multi_embedding` with the plan `kt_regroup_arguments` makes."""
+    permutes, in_shapes, out_shapes, out_lengths = kt_regroup_arguments(values[0], keys, lengths, groups)
+    return permute_multi_embedding(values, permutes, in_shapes, out_shapes, out_lengths)
+
+
+def invert_permute(permute: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: `result[permute[i]] = i`."""
+    positions = torch.arange(permute.shape[0], dtype=permute.dtype, device=permute.device)
+    return torch.empty_like(permute).scatter_(0, permute.to(torch.int64), positions)
 
 
 def asynchronous_complete_cumsum(t_in: torch.Tensor) -> torch.Tensor:
@@ -109,14 +180,26 @@ def segment_sum_csr(batch_size: int, csr_seg: torch.Tensor, values: torch.Tensor
     return sums.index_add(0, torch.where(inside, segment, 0), torch.where(inside, flat, 0))
 
 
+_DIFFERENTIABLE = {
+    **{name: permute_pooled_embs for name in PERMUTE_POOLED},
+    "group_index_select_dim0": group_index_select_dim0,
+    "permute_multi_embedding": permute_multi_embedding,
+    "regroup_keyed_tensor": regroup_keyed_tensor,
+}
+"""Ops of pooled embeddings, whose autograd FBGEMM registers itself: on tpu, autograd
+differentiates the composites."""
+
 _OFFSETS = {
+    "kt_regroup_arguments": kt_regroup_arguments,
+    "invert_permute": invert_permute,
     "asynchronous_complete_cumsum": asynchronous_complete_cumsum,
     "asynchronous_exclusive_cumsum": asynchronous_exclusive_cumsum,
     "asynchronous_inclusive_cumsum": asynchronous_inclusive_cumsum,
     "offsets_range": offsets_range,
     "segment_sum_csr": segment_sum_csr,
 }
-"""Offsets arithmetic: offsets from lengths, positions within segments, sums of segments."""
+"""Offsets arithmetic: offsets from lengths, positions within segments, sums of segments, inverse
+permutations, the plan of a KeyedTensor regrouping."""
 
 
 def _one_jagged_dimension(name: str, offsets: list[torch.Tensor]) -> torch.Tensor:
@@ -257,9 +340,9 @@ def install() -> bool:
         return False
     library = torch.library.Library("fbgemm", "IMPL")
     _libraries.append(library)
-    for name in PERMUTE_POOLED:
-        library.impl(name, permute_pooled_embs, "AutogradPrivateUse1")
-        library.impl(name, permute_pooled_embs, "PrivateUse1")
+    for name, fn in _DIFFERENTIABLE.items():
+        library.impl(name, fn, "AutogradPrivateUse1")
+        library.impl(name, fn, "PrivateUse1")
     for name, fn in (*_OFFSETS.items(), *_JAGGED.items()):
         library.impl(name, fn, "PrivateUse1")
     for name in HOST_STAGED:

@@ -13,6 +13,7 @@ import torch
 
 fbgemm_gpu = pytest.importorskip("fbgemm_gpu")
 
+from cpu_reference import strict_ops  # noqa: E402,F401  (autouse: a CPU fallback fails the test)
 from torchtpu import counters  # noqa: E402
 from torchtpu.ops import fbgemm  # noqa: E402
 
@@ -171,6 +172,94 @@ def test_permute_2D_sparse_data_is_staged_through_the_host():
     got = ops.permute_2D_sparse_data(*_tpu(permute, lengths, values, weights))
     _same(got, ops.permute_2D_sparse_data(permute, lengths, values, weights))
     assert "permute_2D_sparse_data" in str(counters.snapshot())
+
+
+def test_permute_2D_sparse_data_of_1D_lengths_is_staged_through_the_host():
+    """The form TorchRec's KJT permute calls under torch.compile (lengths flat, with a stride)."""
+    lengths, values, weights = _jagged(np.random.default_rng(2))
+    permute = torch.tensor([1, 2, 0], dtype=torch.int32)
+    args = (lengths.reshape(-1), values, lengths.shape[1], weights, int(lengths.sum()))
+    counters.reset()
+    got = ops.permute_2D_sparse_data_input1D(*_tpu(permute, *args[:2]), *args[2:3], weights.to("tpu"), args[4])
+    _same(got, ops.permute_2D_sparse_data_input1D(permute, *args))
+    assert "permute_2D_sparse_data_input1D" in str(counters.snapshot())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_invert_permute(dtype):
+    permute = torch.tensor([3, 0, 4, 1, 2], dtype=dtype)
+    _same(ops.invert_permute(permute.to("tpu")), ops.invert_permute(permute))
+
+
+def test_group_index_select_dim0_values_and_gradient():
+    """TorchRec's EmbeddingBagCollection expands deduplicated pooled embeddings with it."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(5, 3, generator=g), torch.randn(4, 2, generator=g)]
+    indices = [torch.tensor([4, 0, 0, 2]), torch.tensor([1, 3, 3, 3])]
+    cotangents = [torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)]
+
+    def run(device):
+        leaves = [x.to(device).requires_grad_() for x in inputs]
+        outs = ops.group_index_select_dim0(leaves, [i.to(device) for i in indices])
+        sum((out * c.to(device)).sum() for out, c in zip(outs, cotangents)).backward()
+        return [out.detach() for out in outs], [x.grad for x in leaves]
+
+    (outs, grads), (expected_outs, expected_grads) = run("tpu"), run("cpu")
+    _same(outs, expected_outs)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.cpu(), expected)
+    with pytest.raises(ValueError, match="one index tensor per input"):
+        ops.group_index_select_dim0([inputs[0].to("tpu")], [])
+
+
+REGROUP = dict(keys=[["a", "b"], ["c", "d"]], lengths=[[3, 2], [2, 4]], groups=[["c", "a"], ["b", "a"], ["d"]])
+
+
+def test_keyed_tensor_regrouping_values_and_gradient():
+    """FBGEMM's regrouping of KeyedTensors' columns (TorchRec's `KTRegroupAsDict`), a key in two
+    groups included: the plan, the regrouped values and their gradient equal FBGEMM's CPU ones."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(3, 5, generator=g), torch.randn(3, 6, generator=g)]
+    plan = ops.kt_regroup_arguments(values[0], **REGROUP)
+    tpu_plan = ops.kt_regroup_arguments(values[0].to("tpu"), **REGROUP)
+    _same(tpu_plan[:3], plan[:3])
+    assert tpu_plan[3] == plan[3]
+    cotangents = [torch.randn(3, n, generator=g) for n in plan[3]]
+
+    def run(device, arguments, regroup):
+        leaves = [v.clone().to(device).requires_grad_() for v in values]
+        outs = regroup(leaves, arguments)
+        sum((out * c.to(device)).sum() for out, c in zip(outs, cotangents)).backward()
+        return [out.detach() for out in outs], [v.grad for v in leaves]
+
+    permute = lambda leaves, arguments: ops.permute_multi_embedding(leaves, *arguments)  # noqa: E731
+    regroup = lambda leaves, _: ops.regroup_keyed_tensor(leaves, **REGROUP)  # noqa: E731
+    for fn in (permute, regroup):
+        (outs, grads), (expected, expected_grads) = run("tpu", tpu_plan, fn), run("cpu", plan, fn)
+        _same(outs, expected)
+        for grad, expected_grad in zip(grads, expected_grads):
+            torch.testing.assert_close(grad.cpu(), expected_grad)
+
+
+def test_kt_regroup_as_dict_on_the_device():
+    """TorchRec's module, which keeps its plan on the device: the plan is read to the host once."""
+    from torchrec.modules.regroup import KTRegroupAsDict
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    g = torch.Generator().manual_seed(1)
+    values = [torch.randn(3, 5, generator=g), torch.randn(3, 6, generator=g)]
+
+    def regrouped(device):
+        module = KTRegroupAsDict(groups=REGROUP["groups"], keys=["x", "y", "z"])
+        tensors = [KeyedTensor(keys, lengths, v.to(device))
+                   for keys, lengths, v in zip(REGROUP["keys"], REGROUP["lengths"], values)]
+        return [module(tensors) for _ in range(3)]
+
+    counters.reset()
+    for got, expected in zip(regrouped("tpu"), regrouped("cpu")):
+        assert got.keys() == expected.keys()
+        _same([got[k] for k in got], [expected[k] for k in expected])
+    assert counters.snapshot()["fbgemm_regroup_plans_read"] == 1
 
 
 def test_block_bucketize_sparse_features():

@@ -40,8 +40,9 @@ def test_preset_errors():
         dataclasses.replace(tiny, num_embeddings=(0, *tiny.num_embeddings[1:]))
 
 
-def _train(tmp_path: Path, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3]), "TORCHTPU_LOCK_DIR": str(tmp_path / "locks")}
+def _train(tmp_path: Path, *args: str, **env_vars: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3]), "TORCHTPU_LOCK_DIR": str(tmp_path / "locks"),
+           **env_vars}
     command = [sys.executable, "-m", "torchrec_plugin.dlrm.cli", "--size", "tiny", "--nproc", "2", "--no-progress",
                "--checkpoint-dir", str(tmp_path / "checkpoints"), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -60,3 +61,15 @@ def test_two_processes_train_and_checkpoint(tmp_path):
     auc = float(re.search(r"held-out at step 70: AUC (\d\.\d+)", out).group(1))
     assert auc > 0.7, out
     assert (tmp_path / "checkpoints" / "checkpoint" / ".metadata").is_file()
+
+
+@pytest.mark.slow
+def test_two_processes_train_compiled_with_every_op_on_the_device(tmp_path):
+    """`--mode compiled` across two processes, with `TORCHTPU_STRICT_OPS=1` so that any op
+    without a tpu kernel fails the run: under torch.compile TorchRec permutes the KJTs it
+    distributes with FBGEMM's `permute_2D_sparse_data_input1D`, which took the CPU fallback."""
+    out = _train(tmp_path, "--mode", "compiled", "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
+                 TORCHTPU_STRICT_OPS="1")
+    assert "compiled mode, 2 process(es) x batch 128: steps 1-30" in out
+    first, last = map(float, re.search(r"loss: first (\d\.\d+), last (\d\.\d+)", out).groups())
+    assert last < first, out

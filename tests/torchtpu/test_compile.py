@@ -293,12 +293,12 @@ def test_dynamic_shapes_use_each_calls_sizes():
         torch.testing.assert_close(fold(x.to("tpu")).cpu(), x.view(n * 2, 2).sum(1))
 
 
-def test_compiled_optimizer_step_writes_parameters_in_its_program():
-    """A compiled `optimizer.step()` updates parameters and state inside its graph (no eager
-    `copy_` per tensor), and Adam's CPU step count, which the graph also writes, still counts."""
+def _compiled_steps_beside_cpu(optimizer, **options) -> torch.optim.Optimizer:
+    """Three steps of an MLP on CPU with `optimizer(**options)` and of its tpu copy with the
+    optimizer's `step` compiled; the parameters end alike. Returns the tpu model's optimizer."""
     reference = _mlp()
     model = copy.deepcopy(reference).to("tpu")
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (reference, model)]
+    optimizers = [optimizer(m.parameters(), **options) for m in (reference, model)]
     step = torch.compile(optimizers[1].step, backend="tpu")
     with torch.tpu.precision("highest"):
         for _ in range(3):
@@ -309,7 +309,14 @@ def test_compiled_optimizer_step_writes_parameters_in_its_program():
                 run()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name].cpu(), value, rtol=1e-4, atol=1e-5)
-    state = optimizers[1].state[next(model.parameters())]
+    return optimizers[1]
+
+
+def test_compiled_optimizer_step_writes_parameters_in_its_program():
+    """A compiled `optimizer.step()` updates parameters and state inside its graph (no eager
+    `copy_` per tensor), and Adam's CPU step count, which the graph also writes, still counts."""
+    optimizer = _compiled_steps_beside_cpu(torch.optim.Adam, lr=1e-2)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
     assert state["step"].device.type == "cpu" and state["step"].item() == 3
     assert "aten.copy_.default" not in torchtpu.metrics().get("eager_programs_by_op", {})
 
@@ -340,20 +347,9 @@ def test_in_place_multiply_adds_that_dynamo_fuses_run_in_the_program(dtype):
 
 def test_compiled_single_tensor_adamw_step_is_one_program():
     """AdamW without foreach, compiled: its `addcmul_` becomes `prims.fma` in the graph (above)."""
-    reference = _mlp()
-    model = copy.deepcopy(reference).to("tpu")
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (reference, model)]
-    step = torch.compile(optimizers[1].step, backend="tpu")
-    with torch.tpu.precision("highest"), warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for _ in range(3):
-            x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-            for m, opt, run, device in zip((reference, model), optimizers, (optimizers[0].step, step), ("cpu", "tpu")):
-                opt.zero_grad()
-                F.cross_entropy(m(x.to(device)), y.to(device)).backward()
-                run()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name].cpu(), value, rtol=1e-4, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        _compiled_steps_beside_cpu(torch.optim.AdamW, lr=1e-2, foreach=False)
     assert "compiled_graphs_split" not in torchtpu.metrics()
 
 

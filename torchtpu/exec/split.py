@@ -7,7 +7,10 @@ module, with PyTorch's own partitioner (`CapabilityBasedPartitioner`): the large
 nodes that a program can run -- ops with a lowering, all of whose tensors are on `tpu` (0-dim
 host tensors may be read, as everywhere) -- become one `CompiledGraph` each, and the other nodes
 stay in the outer graph, which runs them as ATen calls where their tensors are: host ops on the
-host, ops without a lowering through the tpu eager kernels, copies between devices as copies.
+host, ops without a lowering through the tpu eager kernels, copies between devices as copies,
+and collectives (`_c10d_functional`, what `torch.distributed`'s functional collectives and
+DTensor write into graphs) through their process group, as in eager mode: tpu_dist runs each as
+a collective of its own.
 A piece whose inputs come from such nodes takes the whole graph's bounded dimensions
 (`bucketing.bounded_like`, which the compiler wraps each split graph's call in).
 """
@@ -54,8 +57,9 @@ def needs_split(gm: torch.fx.GraphModule) -> bool:
 
 def missing_lowerings(gm: torch.fx.GraphModule) -> list[str]:
     """The ops of `gm` that stay out of its programs only for want of a lowering (not the ones
-    on host tensors, nor copies between devices)."""
-    return sorted({str(node.target) for node in gm.graph.nodes if _unlowered(node) and _on_tpu(node)})
+    on host tensors, copies between devices, nor collectives, which their process group runs)."""
+    return sorted({str(node.target) for node in gm.graph.nodes
+                   if _unlowered(node) and _on_tpu(node) and node.target.namespace != "_c10d_functional"})
 
 
 def _on_tpu(node: torch.fx.Node) -> bool:

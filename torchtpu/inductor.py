@@ -8,9 +8,11 @@ so it registers, as an out-of-tree device does, Inductor code generation for "tp
 use raises `InductorOnTpuError` saying so. Inductor fills its registry of devices on first use
 and leaves a device it finds registered alone.
 
-The registry lives in Inductor's `codegen.common` module, which `import torch` does not import
-(importing Inductor costs ~1 s, and `import torch` imports torchtpu): the entry is registered
-when that module is first imported, by a one-shot import hook (`_after_import`).
+The registry lives in Inductor, which `import torch` does not import (importing Inductor costs
+~1 s, and `import torch` imports torchtpu): the entry is registered once Inductor's `compile_fx`,
+which every Inductor compilation goes through, has been imported, by a one-shot import hook
+(`_after_import`; registering while Inductor's own modules are still being imported would meet
+them half made).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class InductorOnTpuError(RuntimeError):
 
 
 def install() -> None:
-    """Register Inductor's code generation for "tpu" now, or once Inductor's codegen is imported."""
+    """Register Inductor's code generation for "tpu" now, or once Inductor's `compile_fx` is imported."""
     if _COMPILE_FX in sys.modules:
         _register()
     else:

@@ -7,7 +7,8 @@ input. Those kernels exist for CPU and CUDA only, so on tpu they took the CPU fa
 encoder with a padding mask failed outright (nested tensors have no tpu form). Here each fused
 op is what the modules run outside the fast path -- attention is PyTorch's own
 `F.multi_head_attention_forward`, the encoder layer its layer norms, attention and feed-forward
-block -- in ATen ops that have lowerings, so they run (and fuse) on the device; and the encoder's question whether a padding mask can become a nested tensor
+block -- in ATen ops that have lowerings, so they run (and fuse) on the device; and the
+encoder's question whether a padding mask can become a nested tensor
 (`_nested_tensor_from_mask_left_aligned`) is answered no, which keeps its input padded. Results
 equal the modules' training-mode path; at padded positions the encoder's output holds the
 layer's values there, as PyTorch's padded path gives (its nested path writes zeros).

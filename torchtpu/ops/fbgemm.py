@@ -112,8 +112,9 @@ def _regroup_plan(permutes: torch.Tensor, outputs: int) -> list[list[tuple[int, 
 def permute_multi_embedding(pooled_embs: list[torch.Tensor], permutes: torch.Tensor, in_shapes: torch.Tensor,
                             out_shapes: torch.Tensor, out_lengths: list[int]) -> list[torch.Tensor]:
     """KeyedTensors' columns regrouped (TorchRec's `KTRegroupAsDict`, `regroup_kts`): each output
-    the concatenation of the input column ranges `permutes` assigns it, in order. Slices and
-    concatenations, so autograd differentiates them (a key in two groups gets both gradients)."""
+    the concatenation of the input column ranges `permutes` assigns it, in order (the shapes
+    FBGEMM's kernel addresses memory with are implied). Slices and concatenations, so autograd
+    differentiates them (a key in two groups gets both gradients)."""
     plan = _regroup_plan(permutes, len(out_lengths))
     batch = pooled_embs[0].shape[0] if pooled_embs else 0
     outs = []

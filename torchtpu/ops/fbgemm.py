@@ -8,10 +8,10 @@ their gradient. Each op here gets an explicit tpu kernel of one of two kinds:
 * composites of lowered ATen ops, so they run on the device and autograd differentiates them:
   the pooled-embedding permutations (a column `index_select`; the column index is built on the
   host from the small offset and permutation lists), the regroupings of KeyedTensors
-  (`permute_multi_embedding`: slices and concatenations) and row selections (`group_index_select_dim0`),
-  the cumulative sums of offsets, the positions within segments (`offsets_range`), the sums of
-  segments (`segment_sum_csr`), inverse permutations and,
-  under FBGEMM's own autograd, the jagged <-> padded dense conversions, the selection of
+  (`permute_multi_embedding`: slices and concatenations) and row selections
+  (`group_index_select_dim0`), the cumulative sums of offsets, the positions within segments
+  (`offsets_range`), the sums of segments (`segment_sum_csr`), inverse permutations and, under
+  FBGEMM's own autograd, the jagged <-> padded dense conversions, the selection of
   segments (`jagged_index_select`) and their adjoints (row gathers and scatters of static shape);
 * host staging, for ops whose output sizes depend on the ids (permuting and bucketizing jagged
   ids): the inputs are copied to the host, FBGEMM's CPU kernel runs, the outputs are copied back.

@@ -124,7 +124,8 @@ def test_beta_rsample_differentiates_on_the_device():
     (sample * cotangent.to("tpu")).sum().backward()
     x = sample.detach().cpu()
     pair = torch.stack([x, 1 - x], -1)
-    grad = _Dirichlet_backward(pair, concentration.expand(50, 3, 2), torch.stack([cotangent, torch.zeros_like(cotangent)], -1))
+    first_only = torch.stack([cotangent, torch.zeros_like(cotangent)], -1)
+    grad = _Dirichlet_backward(pair, concentration.expand(50, 3, 2), first_only)
     torch.testing.assert_close(leaf.grad.cpu(), grad.sum(0), rtol=1e-4, atol=1e-5)
 
 

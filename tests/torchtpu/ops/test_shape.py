@@ -178,7 +178,8 @@ def test_as_strided_scatter_follows_the_input_layout_as_pytorchs_kernel():
     scatter = torch.as_strided_scatter
     same_as_cpu(lambda x, s: scatter(x, s, (2, 3), (1, 2), 2), torch.arange(12.0).view(3, 4).t(), -torch.ones(2, 3))
     same_as_cpu(lambda x, s: scatter(x, s, (2,), (2,)), torch.arange(3).expand(2, 3), torch.tensor([-1, -2]))
-    same_as_cpu(lambda x, s: scatter(x, s, (2,), (2,), 1), torch.ones(4, dtype=torch.bool), torch.zeros(2, dtype=torch.bool))
+    same_as_cpu(lambda x, s: scatter(x, s, (2,), (2,), 1), torch.ones(4, dtype=torch.bool),
+                torch.zeros(2, dtype=torch.bool))
     same_as_cpu(lambda x, s: scatter(x, s, (0, 3), (1, 1)), torch.arange(4.0), torch.empty(0, 3))
     with pytest.raises(ValueError, match="refers to some storage elements more than once"):
         scatter(torch.arange(6.0).to("tpu"), torch.ones(2, 2).to("tpu"), (2, 2), (1, 1))

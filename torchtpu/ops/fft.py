@@ -85,3 +85,27 @@ def fft_c2c(ctx, x, dim, normalization, forward):
 
 
 registry.allow_complex(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default)
+
+
+# --- sample frequencies ------------------------------------------------------------------------
+
+
+def _frequencies(ctx, integers: np.ndarray, n: int, d: float):
+    """`integers / (n * d)` as ATen computes it: the integers in the result's dtype times the
+    reciprocal (rounded to that dtype), not a division."""
+    out = ctx.out_dtype()
+    return jnp.asarray(integers, out) * jnp.asarray(1.0 / (n * d), out)
+
+
+@registry.register(aten.fft_fftfreq.default)
+def fft_fftfreq(ctx, n, d=1.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.fft.fftfreq`: 0, 1, ..., then the negative frequencies, over `n * d`. (Eager mode ran
+    PyTorch's composite, which compiled graphs keep whole: they were split.)"""
+    return _frequencies(ctx, np.concatenate([np.arange((n + 1) // 2), np.arange(-(n // 2), 0)]), n, d)
+
+
+@registry.register(aten.fft_rfftfreq.default)
+def fft_rfftfreq(ctx, n, d=1.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.fft.rfftfreq`: the `n // 2 + 1` non-negative frequencies over `n * d`."""
+    return _frequencies(ctx, np.arange(n // 2 + 1), n, d)
+

@@ -230,6 +230,15 @@ def cholesky_solve_helper(ctx, b, factor, upper: bool):
     return _cholesky_solve(b, factor, upper)
 
 
+@registry.register(aten.cholesky_solve.default)
+def cholesky_solve(ctx, b, factor, upper=False):
+    """`torch.cholesky_solve`, the batch dims of `b` and `factor` broadcast (what PyTorch's
+    composite does before its helper; compiled graphs keep the composite whole, and were split)."""
+    batch = jnp.broadcast_shapes(b.shape[:-2], factor.shape[:-2])
+    return _cholesky_solve(jnp.broadcast_to(b, batch + b.shape[-2:]),
+                           jnp.broadcast_to(factor, batch + factor.shape[-2:]), upper)
+
+
 @registry.register(aten.cholesky_inverse.default)
 def cholesky_inverse(ctx, factor, upper=False):
     eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)

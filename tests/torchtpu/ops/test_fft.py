@@ -4,8 +4,12 @@ each normalisation, several dims, float64, the short-time transforms, and gradie
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+
+import torchtpu
 
 from cpu_reference import grads_same_as_cpu, strict_ops  # noqa: F401
 
@@ -72,4 +76,24 @@ def test_stft_and_istft():
 ], ids=["rfft_abs", "filter", "fft2_ortho"])
 def test_gradients(transform):
     grads_same_as_cpu(transform, REAL)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.bfloat16, torch.float16])
+def test_sample_frequencies_equal_cpu_and_compile_into_the_program(dtype):
+    """`fftfreq` / `rfftfreq` bit for bit against CPU (odd and even lengths, a spacing), and
+    inside `torch.compile(backend="tpu")` without splitting the graph (they did: PyTorch's
+    composite is kept whole in graphs)."""
+    for n in (1, 2, 7, 8):
+        for freq in (torch.fft.fftfreq, torch.fft.rfftfreq):
+            expected = freq(n, 0.3, dtype=dtype)
+            got = freq(n, 0.3, dtype=dtype, device="tpu")
+            assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        compiled = torch.compile(
+            lambda x: x * torch.fft.fftfreq(5, device=x.device) + torch.fft.rfftfreq(8, device=x.device)[:5],
+            backend="tpu")
+        x = torch.arange(5.0)
+        torch.testing.assert_close(compiled(x.to("tpu")).cpu(), x * torch.fft.fftfreq(5) + torch.fft.rfftfreq(8)[:5])
+    assert "compiled_graphs_split" not in torchtpu.metrics()
 

@@ -10,11 +10,12 @@ through the executor. Linear algebra: factorizations, solves and their LAPACK co
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
-import torchtpu  # noqa: F401
+import torchtpu
 from cpu_reference import grads_same_as_cpu, same_as_cpu, strict_ops  # noqa: F401
 from value_and_grad import Draws
 
@@ -196,6 +197,19 @@ def test_cholesky(upper):
     b = randn(2, 4, 3, dtype=torch.float64)
     close(lambda f, y: torch.cholesky_solve(y, f, upper=upper), factor, b)
     close(lambda f: torch.cholesky_inverse(f, upper=upper), factor[0])
+    close(lambda f, y: torch.cholesky_solve(y, f, upper=upper), factor[:1], randn(3, 1, 4, 2, dtype=torch.float64))
+
+
+def test_cholesky_solve_compiles_into_one_program():
+    """PyTorch's `cholesky_solve` is a composite that compiled graphs keep whole: lowered, with
+    its batch dims broadcast, it no longer splits the graph."""
+    factor = torch.linalg.cholesky(spd(2, dtype=torch.float32))
+    b = randn(3, 1, 4, 2)
+    with torch.tpu.precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        got = torch.compile(lambda y, f: torch.cholesky_solve(y, f) * 2, backend="tpu")(b.to("tpu"), factor.to("tpu"))
+    torch.testing.assert_close(got.cpu(), torch.cholesky_solve(b, factor) * 2, rtol=1e-5, atol=1e-5)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
 
 
 def test_cholesky_ex_reports_the_failing_minor():

@@ -10,6 +10,8 @@ propagate).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
@@ -79,6 +81,52 @@ def mm_out_dtype(ctx, a, b, out_dtype):
 @registry.register(aten.bmm.dtype)
 def bmm_out_dtype(ctx, a, b, out_dtype):
     return product(ctx, a, b, _BMM, "mat2")
+
+
+@registry.register(aten._grouped_mm.default)
+def grouped_mm(ctx, a, b, offs=None, bias=None, out_dtype=None):
+    """Products of groups (mixture-of-experts layers): `offs` holds the groups' cumulative ends
+    along the ragged dimension, and each group is multiplied by its own matrix --
+    `[M, K] x [G, K, N]`: rows of `a` by group; `[G, M, K] x [K, N]`: columns of `b` by group;
+    `[M, K] x [K, N]`: the contraction by group, one `[M, N]` product each; without `offs`,
+    `[G, M, K] x [G, K, N]` is a batched product. XLA's ragged dot (grouped matmuls on TPU) in
+    the call's precision mode. Rows (columns) past the last group are zero, where ATen's CPU
+    kernel leaves them unwritten; offsets that decrease or run past their dimension are a
+    device-side error. (The meta kernel checks dtypes -- bf16, as CUDA's -- shapes, and that no
+    `bias` is given.)"""
+    out = ctx.out_dtype()
+    if offs is None:
+        return precision.dot_general(a, b, _BMM, ctx.precision, ctx.platform, out)
+    if a.ndim == 2 and b.ndim == 3:
+        ragged, extent = "rows of mat_a", a.shape[0]
+    elif a.ndim == 3:
+        ragged, extent = "columns of mat_b", b.shape[1]
+    else:
+        ragged, extent = "the contraction", a.shape[1]
+    ends = offs.astype(jnp.int32)
+    sizes = jnp.diff(ends, prepend=0)
+    ctx.check((sizes >= 0) & (ends <= extent), f"offs must be non-decreasing group ends of at most {extent}, "
+              f"along the {ragged}")
+
+    def ragged_dot(lhs, rhs, dimension_numbers):
+        op = functools.partial(lax.ragged_dot_general, group_sizes=sizes,
+                               ragged_dot_dimension_numbers=dimension_numbers)
+        return precision.bilinear(op, lhs, rhs, ctx.precision, ctx.platform, out)
+
+    if a.ndim == 2 and b.ndim == 3:
+        return ragged_dot(a, b, _RAGGED_ROWS)
+    if a.ndim == 3:
+        # Columns of `b` by group: the transposed product has them as ragged rows.
+        return ragged_dot(b.T, jnp.swapaxes(a, 1, 2), _RAGGED_ROWS).T
+    return ragged_dot(a, b, _RAGGED_CONTRACTION)
+
+
+# Ragged dots: the rows of the left operand by group, each with its own right matrix (the right
+# operand's leading dimension); the contraction by group, a product per group.
+_RAGGED_ROWS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_RAGGED_CONTRACTION = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (0,)), ((), ())), lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
 
 
 @registry.register(aten.mv.default)

@@ -200,6 +200,62 @@ def test_cholesky(upper):
     close(lambda f, y: torch.cholesky_solve(y, f, upper=upper), factor[:1], randn(3, 1, 4, 2, dtype=torch.float64))
 
 
+GROUPED = {  # mat_a, mat_b, offs (cumulative group ends; an empty group, uncovered tails)
+    "rows": ((12, 16), (3, 16, 8), [3, 3, 10]),
+    "columns": ((3, 6, 16), (16, 24), [8, 16, 20]),
+    "contraction": ((8, 32), (32, 8), [8, 24, 32]),
+    "batched": ((3, 4, 16), (3, 16, 8), None),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(GROUPED))
+def test_grouped_mm_matches_cpu_with_gradients(mode):
+    """`torch._grouped_mm` (mixture-of-experts layers) in each of its four forms, values and
+    gradients against PyTorch's CPU kernel, bit for bit (bf16 operands, float32 accumulation). Rows
+    or columns past the last group are zero (the CPU kernel leaves them unwritten)."""
+    shape_a, shape_b, ends = GROUPED[mode]
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in (shape_a, shape_b))
+    offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
+
+    def run(device):
+        leaves = [a.to(device).requires_grad_(), b.to(device).requires_grad_()]
+        out = torch._grouped_mm(*leaves, None if offs is None else offs.to(device))
+        covered = out[:10] if mode == "rows" else out[:, :20] if mode == "columns" else out
+        cotangent = torch.linspace(-1, 1, covered.numel()).view(covered.shape).to(torch.bfloat16)
+        (covered * cotangent.to(device)).sum().backward()
+        return covered.detach().cpu(), out.detach().cpu(), [x.grad.cpu() for x in leaves]
+
+    (covered, out, grads), (expected, _, expected_grads) = run("tpu"), run("cpu")
+    torch.testing.assert_close(covered, expected, rtol=0, atol=0)
+    # The uncovered rows of mat_a (columns of mat_b) and their gradient: zero here, unwritten on CPU.
+    split = {  # operand: (its covered part, its uncovered part)
+        "rows": (0, (slice(None, 10),), (slice(10, None),)),
+        "columns": (1, (slice(None), slice(None, 20)), (slice(None), slice(20, None))),
+    }.get(mode)
+    if split is not None:
+        operand, head, tail = split
+        assert not out[tail].any() and not grads[operand][tail].any()
+        grads[operand], expected_grads[operand] = grads[operand][head], expected_grads[operand][head]
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+def test_grouped_mm_offsets_are_checked_on_the_device_and_compile_into_one_program():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(12, 16, generator=g).to(torch.bfloat16), torch.randn(3, 16, 8, generator=g).to(torch.bfloat16)
+    torch._grouped_mm(a.to("tpu"), b.to("tpu"), torch.tensor([5, 3, 12], dtype=torch.int32).to("tpu"))
+    with pytest.raises(RuntimeError, match="offs must be non-decreasing group ends of at most 12, along the rows"):
+        torch.tpu.synchronize()
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an op without a lowering would warn
+        got = torch.compile(lambda x, w, o: torch._grouped_mm(x, w, o).relu(), backend="tpu")(
+            a.to("tpu"), b.to("tpu"), offs.to("tpu"))
+    torch.testing.assert_close(got.cpu(), torch._grouped_mm(a, b, offs).relu(), rtol=0, atol=0)
+    assert "compiled_graphs_split" not in torchtpu.metrics()
+
+
 def test_cholesky_solve_compiles_into_one_program():
     """PyTorch's `cholesky_solve` is a composite that compiled graphs keep whole: lowered, with
     its batch dims broadcast, it no longer splits the graph."""

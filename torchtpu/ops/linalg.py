@@ -20,7 +20,7 @@ import torch
 from jax import lax
 from jax.lax import linalg as lax_linalg
 
-from torchtpu import precision
+from torchtpu import dtypes, precision
 from torchtpu.ops import registry
 from torchtpu.ops.reduction import opmath
 
@@ -83,7 +83,40 @@ def bmm_out_dtype(ctx, a, b, out_dtype):
     return product(ctx, a, b, _BMM, "mat2")
 
 
-@registry.register(aten._grouped_mm.default)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ATen's CPU kernel's checks and output (PyTorch's meta kernel states CUDA's: bf16 only,
+    and HF's mixture-of-experts layers call the op in float32)."""
+    for name, t in (("mat_a", a), ("mat_b", b)):
+        if t.dim() not in (2, 3):
+            raise RuntimeError(f"{name} has to be 2 or 3d")
+        if t.dtype not in _GROUPED_MM_DTYPES:
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got "
+                               f"{dtypes.aten_name(t.dtype)}")
+    if (offs is None) != (a.dim() == 3 and b.dim() == 3):
+        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None and offs.dtype != torch.int32:
+        raise RuntimeError("Offsets have to be int32")
+    if bias is not None:
+        raise RuntimeError("Bias not supported yet")
+    if out_dtype is not None and out_dtype != a.dtype:
+        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
+    if a.shape[-1] != b.shape[-2 if b.dim() == 3 else 0]:
+        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+    groups = offs.shape[0] if offs is not None else a.shape[0]
+    if (b.dim() == 3 and b.shape[0] != groups) or (a.dim() == 3 and a.shape[0] != groups):
+        raise RuntimeError("matrix batch sizes have to match")
+    if a.dim() == 2:
+        shape = (groups, a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[-1])
+    else:
+        shape = (a.shape[1], b.shape[1]) if b.dim() == 2 else (groups, a.shape[1], b.shape[-1])
+    return torch.empty(shape, dtype=a.dtype, device="meta")
+
+
+@registry.register(aten._grouped_mm.default, meta=_grouped_mm_meta)
 def grouped_mm(ctx, a, b, offs=None, bias=None, out_dtype=None):
     """Products of groups (mixture-of-experts layers): `offs` holds the groups' cumulative ends
     along the ragged dimension, and each group is multiplied by its own matrix --
@@ -92,8 +125,8 @@ def grouped_mm(ctx, a, b, offs=None, bias=None, out_dtype=None):
     `[G, M, K] x [G, K, N]` is a batched product. XLA's ragged dot (grouped matmuls on TPU) in
     the call's precision mode. Rows (columns) past the last group are zero, where ATen's CPU
     kernel leaves them unwritten; offsets that decrease or run past their dimension are a
-    device-side error. (The meta kernel checks dtypes -- bf16, as CUDA's -- shapes, and that no
-    `bias` is given.)"""
+    device-side error. float32, bf16 and f16 operands, as ATen's CPU kernel takes them
+    (`_grouped_mm_meta`)."""
     out = ctx.out_dtype()
     if offs is None:
         return precision.dot_general(a, b, _BMM, ctx.precision, ctx.platform, out)

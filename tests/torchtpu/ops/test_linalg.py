@@ -10,6 +10,7 @@ through the executor. Linear algebra: factorizations, solves and their LAPACK co
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -208,26 +209,30 @@ GROUPED = {  # mat_a, mat_b, offs (cumulative group ends; an empty group, uncove
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", sorted(GROUPED))
-def test_grouped_mm_matches_cpu_with_gradients(mode):
-    """`torch._grouped_mm` (mixture-of-experts layers) in each of its four forms, values and
-    gradients against PyTorch's CPU kernel, bit for bit (bf16 operands, float32 accumulation). Rows
-    or columns past the last group are zero (the CPU kernel leaves them unwritten)."""
+def test_grouped_mm_matches_cpu_with_gradients(mode, dtype):
+    """`torch._grouped_mm` (mixture-of-experts layers; HF's call it in float32) in each of its
+    four forms, values and gradients against PyTorch's CPU kernel: bit for bit in bf16 (float32
+    accumulation), to float32's rounding at the `highest` precision. Rows or columns past the
+    last group are zero (the CPU kernel leaves them unwritten)."""
     shape_a, shape_b, ends = GROUPED[mode]
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in (shape_a, shape_b))
+    a, b = (torch.randn(*shape, generator=g).to(dtype) for shape in (shape_a, shape_b))
+    tolerance = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
 
     def run(device):
         leaves = [a.to(device).requires_grad_(), b.to(device).requires_grad_()]
         out = torch._grouped_mm(*leaves, None if offs is None else offs.to(device))
         covered = out[:10] if mode == "rows" else out[:, :20] if mode == "columns" else out
-        cotangent = torch.linspace(-1, 1, covered.numel()).view(covered.shape).to(torch.bfloat16)
+        cotangent = torch.linspace(-1, 1, covered.numel()).view(covered.shape).to(dtype)
         (covered * cotangent.to(device)).sum().backward()
         return covered.detach().cpu(), out.detach().cpu(), [x.grad.cpu() for x in leaves]
 
-    (covered, out, grads), (expected, _, expected_grads) = run("tpu"), run("cpu")
-    torch.testing.assert_close(covered, expected, rtol=0, atol=0)
+    with torch.tpu.precision("highest"):
+        (covered, out, grads), (expected, _, expected_grads) = run("tpu"), run("cpu")
+    torch.testing.assert_close(covered, expected, **tolerance)
     # The uncovered rows of mat_a (columns of mat_b) and their gradient: zero here, unwritten on CPU.
     split = {  # operand: (its covered part, its uncovered part)
         "rows": (0, (slice(None, 10),), (slice(10, None),)),
@@ -238,7 +243,24 @@ def test_grouped_mm_matches_cpu_with_gradients(mode):
         assert not out[tail].any() and not grads[operand][tail].any()
         grads[operand], expected_grads[operand] = grads[operand][head], expected_grads[operand][head]
     for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+        torch.testing.assert_close(grad, expected_grad, **tolerance)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda a, b, o: torch._grouped_mm(a.double(), b.double(), o), "Expected mat_a to be Float32, BFloat16 or Float16"),
+    (lambda a, b, o: torch._grouped_mm(a, b, o.long()), "Offsets have to be int32"),
+    (lambda a, b, o: torch._grouped_mm(a, b[:, 1:], o), "contraction dimension of mat_a and mat_b must match"),
+    (lambda a, b, o: torch._grouped_mm(a, b, o[1:]), "matrix batch sizes have to match"),
+    (lambda a, b, o: torch._grouped_mm(a, b), "Have to provide offsets if there is a 2d matrix"),
+    (lambda a, b, o: torch._grouped_mm(a, b, o, bias=b[:, 0]), "Bias not supported yet"),
+    (lambda a, b, o: torch._grouped_mm(a, b, o, out_dtype=torch.bfloat16), "output dtype must match `mat_a` dtype"),
+], ids=["float64", "int64_offsets", "contraction", "groups", "no_offsets", "bias", "out_dtype"])
+def test_grouped_mm_refuses_what_pytorchs_cpu_kernel_refuses(call, message):
+    """The CPU kernel's checks and messages (PyTorch's meta kernel states CUDA's, bf16 only)."""
+    a, b, offs = torch.randn(12, 16), torch.randn(3, 16, 8), torch.tensor([3, 7, 12], dtype=torch.int32)
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call(a.to(device), b.to(device), offs.to(device))
 
 
 def test_grouped_mm_offsets_are_checked_on_the_device_and_compile_into_one_program():

@@ -108,4 +108,3 @@ def fft_fftfreq(ctx, n, d=1.0, *, dtype=None, layout=None, device=None, pin_memo
 def fft_rfftfreq(ctx, n, d=1.0, *, dtype=None, layout=None, device=None, pin_memory=None):
     """`torch.fft.rfftfreq`: the `n // 2 + 1` non-negative frequencies over `n * d`."""
     return _frequencies(ctx, np.arange(n // 2 + 1), n, d)
-

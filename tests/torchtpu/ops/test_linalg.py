@@ -234,7 +234,7 @@ def test_grouped_mm_matches_cpu_with_gradients(mode, dtype):
         (covered, out, grads), (expected, _, expected_grads) = run("tpu"), run("cpu")
     torch.testing.assert_close(covered, expected, **tolerance)
     # The uncovered rows of mat_a (columns of mat_b) and their gradient: zero here, unwritten on CPU.
-    split = {  # operand: (its covered part, its uncovered part)
+    split = {  # mode: (the operand, its covered part, its uncovered part)
         "rows": (0, (slice(None, 10),), (slice(10, None),)),
         "columns": (1, (slice(None), slice(None, 20)), (slice(None), slice(20, None))),
     }.get(mode)
@@ -264,6 +264,8 @@ def test_grouped_mm_refuses_what_pytorchs_cpu_kernel_refuses(call, message):
 
 
 def test_grouped_mm_offsets_are_checked_on_the_device_and_compile_into_one_program():
+    """Offsets that decrease fail at the next sync, naming the rule; the op no longer splits a
+    compiled graph."""
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(12, 16, generator=g).to(torch.bfloat16), torch.randn(3, 16, 8, generator=g).to(torch.bfloat16)
     torch._grouped_mm(a.to("tpu"), b.to("tpu"), torch.tensor([5, 3, 12], dtype=torch.int32).to("tpu"))

@@ -81,13 +81,17 @@ def group_index_select_dim0(input_group: list[torch.Tensor], indices_group: list
     return [x.index_select(0, index) for x, index in zip(input_group, indices_group)]
 
 
+def _host_regroup_arguments(dtype: torch.dtype, keys: list[list[str]], lengths: list[list[int]],
+                            groups: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """FBGEMM's plan for regrouping KeyedTensors' columns, made on the host by its CPU kernel
+    from the keys and lengths alone (the embeddings' tensor gives it only a device)."""
+    return torch.ops.fbgemm.kt_regroup_arguments(torch.empty(0, dtype=dtype), keys, lengths, groups)
+
+
 def kt_regroup_arguments(embs: torch.Tensor, keys: list[list[str]], lengths: list[list[int]],
                          groups: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """FBGEMM's plan for regrouping KeyedTensors' columns (`permute_multi_embedding`'s arguments),
-    made by its CPU kernel from the keys and lengths alone (`embs` gives only the device) and put
-    on `embs`' device."""
-    host = torch.ops.fbgemm.kt_regroup_arguments(torch.empty(0, dtype=embs.dtype), keys, lengths, groups)
-    permutes, in_shapes, out_shapes, out_lengths = host
+    """`permute_multi_embedding`'s arguments (`_host_regroup_arguments`), put on `embs`' device."""
+    permutes, in_shapes, out_shapes, out_lengths = _host_regroup_arguments(embs.dtype, keys, lengths, groups)
     return permutes.to(embs.device), in_shapes.to(embs.device), out_shapes.to(embs.device), out_lengths
 
 
@@ -95,12 +99,13 @@ def _regroup_plan(permutes: torch.Tensor, outputs: int) -> list[list[tuple[int, 
     """Per output tensor, its pieces in column order as (input tensor, first column, columns),
     from FBGEMM's `permutes` rows [input, output, input start, output start, length, jump]. Read
     to the host once per permutes tensor and version (kept on the tensor; counted as
-    `fbgemm_regroup_plans_read`): `KTRegroupAsDict` keeps one on the device and passes it every
-    step."""
+    `fbgemm_regroup_plans_read` where it is a device tensor): `KTRegroupAsDict` keeps one on the
+    device and passes it every step."""
     cached = getattr(permutes, "_torchtpu_regroup_plan", None)
     if cached is not None and cached[0] == permutes._version:
         return cached[1]
-    counters.count("fbgemm_regroup_plans_read")
+    if permutes.device.type != "cpu":
+        counters.count("fbgemm_regroup_plans_read")
     rows = sorted(permutes.cpu().tolist(), key=lambda row: (row[1], row[3]))
     plan: list[list[tuple[int, int, int]]] = [[] for _ in range(outputs)]
     for source, output, source_start, _, length, _ in rows:
@@ -129,8 +134,9 @@ def permute_multi_embedding(pooled_embs: list[torch.Tensor], permutes: torch.Ten
 
 def regroup_keyed_tensor(values: list[torch.Tensor], keys: list[list[str]], lengths: list[list[int]],
                          groups: list[list[str]]) -> list[torch.Tensor]:
-    """`permute_multi_embedding` with the plan `kt_regroup_arguments` makes."""
-    permutes, in_shapes, out_shapes, out_lengths = kt_regroup_arguments(values[0], keys, lengths, groups)
+    """`permute_multi_embedding` with the plan made on the host (`regroup_kts` makes it every call:
+    it never goes to the device and back)."""
+    permutes, in_shapes, out_shapes, out_lengths = _host_regroup_arguments(values[0].dtype, keys, lengths, groups)
     return permute_multi_embedding(values, permutes, in_shapes, out_shapes, out_lengths)
 
 

@@ -235,10 +235,13 @@ def test_keyed_tensor_regrouping_values_and_gradient():
     permute = lambda leaves, arguments: ops.permute_multi_embedding(leaves, *arguments)  # noqa: E731
     regroup = lambda leaves, _: ops.regroup_keyed_tensor(leaves, **REGROUP)  # noqa: E731
     for fn in (permute, regroup):
+        counters.reset()
         (outs, grads), (expected, expected_grads) = run("tpu", tpu_plan, fn), run("cpu", plan, fn)
         _same(outs, expected)
         for grad, expected_grad in zip(grads, expected_grads):
             torch.testing.assert_close(grad.cpu(), expected_grad)
+        # regroup_keyed_tensor makes its plan on the host: nothing is read back from the device.
+        assert ("fbgemm_regroup_plans_read" in counters.snapshot()) == (fn is permute)
 
 
 def test_kt_regroup_as_dict_on_the_device():
